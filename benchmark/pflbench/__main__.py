@@ -1,0 +1,3 @@
+from pflbench.cli import main
+
+main()

@@ -1,0 +1,71 @@
+"""The `pflbench` command: a thin typer app that parses, calls the library and prints."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from pflbench import __version__
+from pflbench.cli.common import err_console
+from pflbench.errors import UserError
+
+app = typer.Typer(
+    name="pflbench",
+    help="Benchmark private federated learning (user-level DP) for speech recognition.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+_debug = False
+
+
+@app.callback()
+def _root(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
+    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+) -> None:
+    global _debug
+    _debug = debug
+    if version:
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+def _register() -> None:
+    # Imported here so `pflbench --help` lists every group in a fixed order.
+    from pflbench.cli import bench, data, model, privacy, results, run, specs
+
+    specs.register(app)
+    privacy.register(app)
+    data.register(app)
+    model.register(app)
+    run.register(app)
+    results.register(app)
+    bench.register(app)
+
+
+_register()
+
+
+def main() -> None:
+    try:
+        app(standalone_mode=False)
+    except UserError as exc:
+        if _debug:
+            raise
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        sys.exit(2)
+    except typer.Exit as exc:
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err_console.print("aborted")
+        sys.exit(130)
+    except Exception as exc:  # click usage errors arrive here in non-standalone mode
+        import click
+
+        if isinstance(exc, click.exceptions.ClickException):
+            exc.show()
+            sys.exit(2)
+        raise

@@ -1,0 +1,7 @@
+"""CLI: tasks, baselines, budgets (being written)."""
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    pass

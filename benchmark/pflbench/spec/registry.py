@@ -1,0 +1,177 @@
+"""Finding and loading specs: built-in tasks/, baselines/ and tasks/budgets.yaml, plus user folders.
+
+A user folder has the same layout as the built-in one (`DIR/tasks/*.yaml`, `DIR/baselines/*.yaml`,
+`DIR/tasks/budgets.yaml`); its specs appear next to the built-in ones and a name clash is an error
+naming both files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any, Generic, TypeVar
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from pflbench.errors import UserError
+from pflbench.spec.models import Baseline, Budget, Recipe, Task
+
+BUDGETS_FILE = "budgets.yaml"
+M = TypeVar("M", bound=BaseModel)
+
+
+# ----------------------------------------------------------------------------------------------
+# YAML with duplicate keys rejected (PyYAML silently keeps the last one).
+
+
+class _StrictLoader(yaml.SafeLoader):
+    pass
+
+
+def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict:
+    seen: set = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        if key in seen:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=True)
+
+
+_StrictLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _mapping_without_duplicates
+)
+
+
+def read_yaml(path: Path) -> tuple[Any, bytes]:
+    data = path.read_bytes()
+    try:
+        return yaml.load(data, Loader=_StrictLoader), data
+    except yaml.YAMLError as exc:
+        raise UserError(f"{path}: not valid YAML: {exc}") from None
+
+
+def format_validation_error(where: str, exc: ValidationError) -> str:
+    lines = [f"{where}: invalid spec"]
+    for err in exc.errors():
+        key = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        msg = err["msg"]
+        if err["type"] == "extra_forbidden":
+            msg = "unknown key (check the spelling; unknown keys are not ignored)"
+        elif err["type"] == "missing":
+            msg = "required key is missing"
+        lines.append(f"  {key}: {msg}" + _got(err))
+    return "\n".join(lines)
+
+
+def _got(err: dict) -> str:
+    if err["type"] in ("missing", "extra_forbidden") or "input" not in err:
+        return ""
+    value = repr(err["input"])
+    return f" (got {value[:60]})"
+
+
+def validate(model: type[M], data: Any, where: str) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(format_validation_error(where, exc)) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# The registry
+
+
+@dataclass(frozen=True)
+class Loaded(Generic[M]):
+    spec: M
+    path: Path
+    sha256: str
+
+
+@dataclass
+class Registry:
+    tasks: dict[str, Loaded[Task]] = field(default_factory=dict)
+    baselines: dict[str, Loaded[Baseline]] = field(default_factory=dict)
+    budgets: dict[str, Loaded[Budget]] = field(default_factory=dict)
+
+    def task(self, name: str) -> Loaded[Task]:
+        return _lookup(self.tasks, name, "task")
+
+    def baseline(self, name: str) -> Loaded[Baseline]:
+        return _lookup(self.baselines, name, "baseline")
+
+    def budget(self, name: str) -> Loaded[Budget]:
+        return _lookup(self.budgets, name, "budget")
+
+
+def _lookup(table: dict[str, Loaded], name: str, kind: str) -> Loaded:
+    if name not in table:
+        known = ", ".join(sorted(table)) or "(none)"
+        raise UserError(f"unknown {kind} {name!r}; known {kind}s: {known}")
+    return table[name]
+
+
+def builtin_spec_root() -> tuple[Path, Path]:
+    """(tasks dir, baselines dir): the checkout's top-level folders, else the installed copies."""
+    checkout = Path(__file__).resolve().parents[3]
+    if (checkout / "tasks").is_dir() and (checkout / "baselines").is_dir():
+        return checkout / "tasks", checkout / "baselines"
+    pkg = resources.files("pflbench") / "specs"
+    return Path(str(pkg / "tasks")), Path(str(pkg / "baselines"))
+
+
+def _add(table: dict[str, Loaded], loaded: Loaded, kind: str) -> None:
+    name = loaded.spec.name
+    if name in table:
+        raise UserError(
+            f"{kind} {name!r} is defined twice: in {table[name].path} and in {loaded.path}"
+        )
+    table[name] = loaded
+
+
+def _load_dir(reg: Registry, tasks_dir: Path, baselines_dir: Path) -> None:
+    for path in sorted(tasks_dir.glob("*.yaml")) if tasks_dir.is_dir() else []:
+        data, raw = read_yaml(path)
+        digest = hashlib.sha256(raw).hexdigest()
+        if path.name == BUDGETS_FILE:
+            if not isinstance(data, dict) or not isinstance(data.get("budgets"), list):
+                raise UserError(f"{path}: expected a top-level key 'budgets' holding a list")
+            for i, item in enumerate(data["budgets"]):
+                spec = validate(Budget, item, f"{path}: budgets[{i}]")
+                _add(reg.budgets, Loaded(spec, path, digest), "budget")
+            continue
+        _add(reg.tasks, Loaded(validate(Task, data, str(path)), path, digest), "task")
+    for path in sorted(baselines_dir.glob("*.yaml")) if baselines_dir.is_dir() else []:
+        data, raw = read_yaml(path)
+        spec = validate(Baseline, data, str(path))
+        check_overrides(spec.overrides, str(path))
+        _add(reg.baselines, Loaded(spec, path, hashlib.sha256(raw).hexdigest()), "baseline")
+
+
+def check_overrides(overrides: dict, where: str) -> None:
+    """A baseline's overrides must name real recipe keys with valid values."""
+    from pflbench.spec.resolve import deep_merge
+
+    validate(Recipe, deep_merge(Recipe().model_dump(), overrides), f"{where}: overrides")
+
+
+def load_registry(extra_dirs: list[Path] | None = None) -> Registry:
+    reg = Registry()
+    _load_dir(reg, *builtin_spec_root())
+    for d in extra_dirs or []:
+        d = Path(d)
+        if not d.is_dir():
+            raise UserError(f"--specs {d}: not a folder")
+        if not (d / "tasks").is_dir() and not (d / "baselines").is_dir():
+            raise UserError(
+                f"--specs {d}: expected subfolders tasks/ and/or baselines/ "
+                "(the same layout as the built-in specs)"
+            )
+        _load_dir(reg, d / "tasks", d / "baselines")
+    return reg
