@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
 
-console = Console()
-err_console = Console(stderr=True)
+# Pipes and CI logs get a fixed, wide layout instead of rich's 80-column fallback.
+_WIDTH = None if sys.stdout.isatty() else 140
+console = Console(width=_WIDTH)
+err_console = Console(stderr=True, width=_WIDTH)
 
 SpecsOption = typer.Option(
     None,

@@ -1,7 +1,150 @@
-"""CLI: tasks, baselines, budgets (being written)."""
+"""CLI: `tasks`, `baselines` and `budgets` — list and show the declarative specs."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 import typer
+import yaml
+from rich.table import Table
+
+from pflbench.cli.common import JsonOption, SpecsOption, console, extra_spec_dirs, print_json
+from pflbench.spec.registry import Loaded, Registry, load_registry
+
+
+def _registry(specs: list[Path] | None) -> Registry:
+    return load_registry(extra_spec_dirs(specs))
+
+
+def _show(loaded: Loaded, as_json: bool, extra: dict | None = None) -> None:
+    data = loaded.spec.model_dump(mode="json")
+    info = {"file": str(loaded.path), "file_sha256": loaded.sha256}
+    if as_json:
+        print_json({**data, **(extra or {}), "_source": info})
+        return
+    console.print(f"[bold]{loaded.spec.name}[/]  [dim]{loaded.path}[/]")
+    console.print(yaml.safe_dump({**data, **(extra or {})}, sort_keys=False, width=100))
+
+
+_LS_NAMES = {
+    ("train-clean-100",): "LS-100",
+    ("train-clean-360", "train-other-500"): "LS-860",
+    ("train-clean-100", "train-clean-360", "train-other-500"): "LS-960",
+}
+
+
+def source_name(source) -> str:
+    """The paper's name of a data source: LS-100, LS-960, CV-en-train-90, ..."""
+    if source.corpus == "librispeech":
+        name = _LS_NAMES.get(tuple(sorted(source.subsets)), "LS:" + "+".join(source.subsets))
+    else:
+        name = f"CV-{source.locale}-" + "+".join(source.subsets)
+    if source.user_split:
+        pct = source.user_split.percent
+        name += f"-{pct if source.user_split.part == 'in' else 100 - pct:02g}"
+    return name + (" (IID)" if source.iid else "")
+
+
+def _task_row(loaded: Loaded) -> dict:
+    t = loaded.spec
+    return {
+        "name": t.name,
+        "v": t.version,
+        "lang": t.language,
+        "seed data": source_name(t.seed_data) if t.seed_data else "-",
+        "federated data": source_name(t.federated_data),
+        "cohort": t.recipe.federated.cohort_size,
+        "steps": t.recipe.federated.central_steps,
+    }
+
+
+def _table(title: str, rows: list[dict]) -> None:
+    table = Table(title=title)
+    for i, key in enumerate(rows[0] if rows else []):
+        table.add_column(key, no_wrap=i == 0)
+    for row in rows:
+        table.add_row(*(str(v) for v in row.values()))
+    console.print(table)
+
+
+def budget_privacy(budget) -> dict:
+    """σ_DP and z of a budget, and ε at its extrapolated scale by both accountants."""
+    from pflbench.privacy.accountants import compute_epsilon
+    from pflbench.privacy.statement import budget_noise
+
+    if not budget.dp:
+        return {"dp": False}
+    noise = budget_noise(budget)
+    q = budget.cohort / budget.population
+    eps = {
+        acc: compute_epsilon(noise["noise_multiplier"], q, budget.steps, budget.delta, acc).epsilon
+        for acc in ("rdp", "pld")
+    }
+    return {
+        "dp": True,
+        "noise_multiplier": noise["noise_multiplier"],
+        "sigma_dp": noise["sigma_dp"],
+        "sampling_rate": q,
+        "calibrated_with": budget.accountant,
+        "epsilon_at_extrapolated_scale": eps,
+    }
 
 
 def register(app: typer.Typer) -> None:
-    pass
+    tasks = typer.Typer(help="List and show benchmark tasks (tasks/*.yaml).", no_args_is_help=True)
+    baselines = typer.Typer(help="List and show reference baselines.", no_args_is_help=True)
+    budgets = typer.Typer(help="List and show privacy budgets (tasks/budgets.yaml).")
+    budgets.no_args_is_help = True
+    app.add_typer(tasks, name="tasks")
+    app.add_typer(baselines, name="baselines")
+    app.add_typer(budgets, name="budgets")
+
+    @tasks.command("list")
+    def tasks_list(specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption) -> None:
+        """All tasks: data, seed, recipe headline."""
+        rows = [_task_row(t) for _, t in sorted(_registry(specs).tasks.items())]
+        print_json(rows) if as_json else _table("tasks", rows)
+
+    @tasks.command("show")
+    def tasks_show(
+        name: str, specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption
+    ) -> None:
+        """One task, fully resolved with defaults."""
+        _show(_registry(specs).task(name), as_json)
+
+    @baselines.command("list")
+    def baselines_list(specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption) -> None:
+        """All reference baselines and what they reproduce."""
+        rows = [
+            {"name": b.spec.name, "reproduces": b.spec.reproduces, "overrides": b.spec.overrides}
+            for _, b in sorted(_registry(specs).baselines.items())
+        ]
+        print_json(rows) if as_json else _table("baselines", rows)
+
+    @baselines.command("show")
+    def baselines_show(
+        name: str, specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption
+    ) -> None:
+        """One baseline."""
+        _show(_registry(specs).baseline(name), as_json)
+
+    @budgets.command("list")
+    def budgets_list(specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption) -> None:
+        """All privacy budgets."""
+        rows = [
+            {
+                k: v
+                for k, v in b.spec.model_dump().items()
+                if k in ("name", "dp", "epsilon", "delta", "population", "cohort", "steps")
+            }
+            for _, b in sorted(_registry(specs).budgets.items())
+        ]
+        print_json(rows) if as_json else _table("budgets", rows)
+
+    @budgets.command("show")
+    def budgets_show(
+        name: str, specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption
+    ) -> None:
+        """One budget with its σ_DP, noise multiplier z and ε by both accountants."""
+        loaded = _registry(specs).budget(name)
+        _show(loaded, as_json, extra={"privacy": budget_privacy(loaded.spec)})

@@ -25,7 +25,7 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 
 def parse_set(assignments: list[str]) -> tuple[dict, dict[str, str]]:
-    """`federated.cohort_size=8` → ({'federated': {'cohort_size': 8}}, {'federated.cohort_size': '8'}).
+    """`a.b=8` → ({'a': {'b': 8}}, {'a.b': '8'}): the nested override and the strings as given.
 
     Values are parsed as YAML scalars (numbers, booleans, null, lists)."""
     nested: dict = {}
@@ -34,7 +34,9 @@ def parse_set(assignments: list[str]) -> tuple[dict, dict[str, str]]:
         key, sep, raw = item.partition("=")
         key = key.strip()
         if not sep or not key or any(not part for part in key.split(".")):
-            raise UserError(f"--set {item!r}: expected key.path=value, e.g. federated.cohort_size=8")
+            raise UserError(
+                f"--set {item!r}: expected key.path=value, e.g. federated.cohort_size=8"
+            )
         try:
             value = yaml.safe_load(raw) if raw.strip() else raw
         except yaml.YAMLError:

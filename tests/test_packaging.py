@@ -1,0 +1,64 @@
+"""The built wheel ships tasks/, baselines/ and budgets, and a non-editable install finds them."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    src = tmp_path_factory.mktemp("src")
+    # Build from a copy so the checkout gets no build/ or egg-info droppings.
+    for name in ("pyproject.toml", "setup.py", "README.md", "benchmark", "tasks", "baselines"):
+        path = ROOT / name
+        if path.is_dir():
+            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+        elif path.exists():
+            shutil.copy(path, src / name)
+    out = tmp_path_factory.mktemp("wheel")
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+    proc = subprocess.run([*cmd, "-w", str(out), str(src)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    (whl,) = out.glob("pflbench-*.whl")
+    return whl
+
+
+def test_wheel_contains_specs(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    shipped_tasks = {Path(n).name for n in names if n.startswith("pflbench/specs/tasks/")}
+    assert {p.name for p in (ROOT / "tasks").glob("*.yaml")} == shipped_tasks
+    shipped = {Path(n).name for n in names if n.startswith("pflbench/specs/baselines/")}
+    assert {p.name for p in (ROOT / "baselines").glob("*.yaml")} == shipped
+
+
+def test_non_editable_install_finds_specs(wheel, tmp_path):
+    target = tmp_path / "site"
+    cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target)]
+    proc = subprocess.run([*cmd, str(wheel)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    code = (
+        "import json, pflbench; from pflbench.spec.registry import load_registry;"
+        "r = load_registry();"
+        "print(json.dumps("
+        "[pflbench.__file__, sorted(r.tasks), sorted(r.budgets), len(r.baselines)]))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    module_file, tasks, budgets, n_baselines = json.loads(proc.stdout)
+    assert module_file.startswith(str(target))  # the installed copy, not the checkout
+    assert "synth-cv-en-ls-seed" in tasks and "cv-en-ls100-seed" in tasks
+    assert budgets == ["eps4.5-low-pop", "eps7.2-high-pop", "none"]
+    assert n_baselines == len(list((ROOT / "baselines").glob("*.yaml")))

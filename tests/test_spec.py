@@ -1,0 +1,268 @@
+"""Spec registry, validation errors, --set overrides and the config hash."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pflbench.errors import UserError
+from pflbench.spec.models import Recipe
+from pflbench.spec.registry import load_registry
+from pflbench.spec.resolve import config_hash, resolve
+
+FIXTURE_SPECS = Path(__file__).parent / "fixtures" / "specs"
+PAPER_TASKS = {
+    "ls960-scratch",
+    "ls860-ls100-seed",
+    "ls960-cven-seed",
+    "cv-en-scratch",
+    "cv-en-ls100-seed",
+    "cv-en-ls960-seed",
+    "cv-en90-cv10-seed",
+    "cv-en95-cv05-seed",
+    "cv-fr90-cv10-seed",
+    "cv-de90-cv10-seed",
+    "synth-cv-en-ls-seed",
+    "synth-ls-scratch",
+    "synth-cv-en-scratch",
+}
+# Golden: sha256 of the canonical JSON of the fixture run. It changes only when the RunConfig
+# schema or the fixture specs change; then review the change and update it deliberately.
+GOLDEN_HASH = "ae647f1b7586f5e65c1223399b2f4b2eb18305d31729c66783e03161b2fe85e2"
+
+
+def fixture_config(**kw):
+    reg = load_registry([FIXTURE_SPECS])
+    args = dict(task="fixture-task", baseline="fixture-baseline", budget="fixture-budget", seed=1)
+    return resolve(reg, **{**args, **kw})
+
+
+def test_builtin_specs_load_and_resolve():
+    reg = load_registry()
+    assert PAPER_TASKS <= set(reg.tasks)
+    assert {"none", "eps7.2-high-pop", "eps4.5-low-pop"} <= set(reg.budgets)
+    for name in reg.tasks:
+        assert reg.task(name).spec.version >= 1
+        for baseline in reg.baselines:
+            for budget in reg.budgets:
+                cfg = resolve(reg, name, baseline, budget)
+                assert len(config_hash(cfg)) == 64
+    high = reg.budget("eps7.2-high-pop").spec
+    assert (high.epsilon, high.delta, high.population, high.cohort, high.steps) == (
+        7.2,
+        1e-9,
+        69_506_000,
+        204_800,
+        2034,
+    )
+
+
+def test_paper_recipe_values():
+    reg = load_registry()
+    fed = reg.task("cv-en-ls100-seed").spec.recipe.federated
+    assert (fed.cohort_size, fed.client.local_steps, fed.central_steps) == (1024, 10, 2000)
+    assert (fed.client.lr, fed.server.lr, fed.server.decay.start) == (0.2, 0.002, 750)
+    scratch = reg.task("ls960-scratch").spec.recipe.federated
+    assert (scratch.client.lr, scratch.server.lr, scratch.client.batch_seconds) == (0.4, 0.006, 360)
+    assert reg.task("cv-en90-cv10-seed").spec.seed_data.user_split.part == "in"
+    assert reg.task("cv-en90-cv10-seed").spec.federated_data.user_split.part == "out"
+    assert reg.task("cv-en-ls100-seed-iid").spec.federated_data.iid
+
+
+def test_config_hash_golden_and_stable_across_processes():
+    digest = config_hash(fixture_config())
+    assert digest == GOLDEN_HASH
+    code = textwrap.dedent(
+        f"""
+        from pathlib import Path
+        from pflbench.spec.registry import load_registry
+        from pflbench.spec.resolve import config_hash, resolve
+        reg = load_registry([Path({str(FIXTURE_SPECS)!r})])
+        print(config_hash(resolve(reg, "fixture-task", "fixture-baseline", "fixture-budget", 1)))
+        """
+    )
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == digest
+
+
+def _leaf_paths(tree: dict, prefix: str = "") -> list[tuple[str, object]]:
+    leaves = []
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            leaves += _leaf_paths(value, f"{prefix}{key}.")
+        else:
+            leaves.append((f"{prefix}{key}", value))
+    return leaves
+
+
+def _perturbed(value):
+    if isinstance(value, bool):
+        return str(not value).lower()
+    if isinstance(value, int):
+        return str(value + 1)
+    if isinstance(value, float):
+        return repr(value / 2 if 0 < value <= 1 else value + 0.5)
+    return None
+
+
+def test_config_hash_changes_with_every_resolved_value():
+    base_cfg = fixture_config()
+    base = config_hash(base_cfg)
+    assert config_hash(fixture_config(seed=2)) != base
+    changed = 0
+    for path, value in _leaf_paths(base_cfg.recipe.model_dump()):
+        new = _perturbed(value)
+        if new is None:
+            continue
+        if path == "federated.client.local_epochs":  # exclusive with local_steps
+            continue
+        cfg = fixture_config(sets=[f"{path}={new}"])
+        assert config_hash(cfg) != base, path
+        changed += 1
+    assert changed > 30
+
+
+def test_overrides_apply_in_order_and_parse_types():
+    cfg = fixture_config(sets=["federated.cohort_size=9", "privacy.perlayer_mode=uniform"])
+    assert cfg.recipe.federated.cohort_size == 9
+    assert cfg.recipe.privacy.perlayer_mode == "uniform"
+    assert cfg.recipe.privacy.clipping == "global"  # from the baseline
+    assert cfg.recipe.federated.server.optimizer == "adam"  # from the baseline
+    assert cfg.recipe.federated.central_steps == 7  # from the task
+    assert cfg.overrides == {"federated.cohort_size": "9", "privacy.perlayer_mode": "uniform"}
+
+
+@pytest.mark.parametrize(
+    "sets, needle",
+    [
+        (["federated.cohort_sise=3"], "cohort_sise: unknown key"),
+        (["federated.cohort_size=many"], "federated.cohort_size"),
+        (["privacy.clipping=sometimes"], "privacy.clipping"),
+        (["nokey"], "expected key.path=value"),
+    ],
+)
+def test_bad_set_overrides(sets, needle):
+    with pytest.raises(UserError, match=needle.replace(".", r"\.")):
+        fixture_config(sets=sets)
+
+
+def _spec_dir(tmp_path: Path, files: dict[str, str]) -> Path:
+    for rel, text in files.items():
+        p = tmp_path / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_text(textwrap.dedent(text))
+    return tmp_path
+
+
+TASK = """\
+name: my-task
+version: 1
+language: en
+description: mine
+federated_data: {corpus: commonvoice, subsets: [train], locale: en}
+eval_sets: [{name: d, corpus: commonvoice, subset: dev, locale: en, role: dev}]
+"""
+
+
+def test_user_specs_appear_next_to_builtin(tmp_path, monkeypatch):
+    d = _spec_dir(tmp_path, {"tasks/my-task.yaml": TASK})
+    assert "my-task" in load_registry([d]).tasks
+    assert "cv-en-ls100-seed" in load_registry([d]).tasks
+    monkeypatch.setenv("PFLBENCH_SPECS", str(d))
+    out = _cli("tasks", "list", "--json")
+    assert out.returncode == 0, out.stderr
+    assert "my-task" in {row["name"] for row in json.loads(out.stdout)}
+
+
+@pytest.mark.parametrize(
+    "files, needles",
+    [
+        (
+            {"tasks/t.yaml": TASK + "recipe: {federated: {cohort_sise: 3}}\n"},
+            ["t.yaml", "recipe.federated.cohort_sise", "unknown key"],
+        ),
+        (
+            {"tasks/t.yaml": TASK.replace("version: 1", "version: one")},
+            ["t.yaml", "version", "integer"],
+        ),
+        ({"tasks/t.yaml": TASK.replace("language: en\n", "")}, ["t.yaml", "language", "missing"]),
+        (
+            {"tasks/t.yaml": TASK + "language: fr\n"},
+            ["t.yaml", "duplicate key 'language'"],
+        ),
+        (
+            {"tasks/t.yaml": TASK.replace("my-task", "synth-ls-scratch")},
+            ["defined twice", "synth-ls-scratch.yaml", "t.yaml"],
+        ),
+        (
+            {
+                "baselines/b.yaml": """\
+                name: b
+                description: x
+                reproduces: y
+                overrides: {privacy: {clip_bond: 1.0}}
+                """
+            },
+            ["b.yaml", "overrides", "privacy.clip_bond", "unknown key"],
+        ),
+        (
+            {"tasks/budgets.yaml": "budgets: [{name: b, epsilon: 1.0}]\n"},
+            ["budgets.yaml", "budgets[0]", "needs delta"],
+        ),
+        ({"tasks/t.yaml": "name: [unclosed\n"}, ["t.yaml", "not valid YAML"]),
+    ],
+)
+def test_malformed_specs_name_file_and_key(tmp_path, files, needles):
+    d = _spec_dir(tmp_path, files)
+    with pytest.raises(UserError) as info:
+        load_registry([d])
+    for needle in needles:
+        assert needle in str(info.value), (needle, str(info.value))
+    # The CLI prints the same message without a traceback and exits 2.
+    out = _cli("tasks", "list", "--specs", str(d))
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert needles[0] in out.stderr
+
+
+def test_recipe_rejects_steps_and_epochs_together():
+    with pytest.raises(ValueError):
+        Recipe.model_validate({"federated": {"client": {"local_steps": 2, "local_epochs": 2}}})
+
+
+def _cli(*args: str, cwd: Path | None = None, env: dict | None = None):
+    return subprocess.run(
+        [sys.executable, "-m", "pflbench", *args],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        env=env,
+    )
+
+
+def test_cli_help_lists_every_group():
+    out = _cli("--help")
+    assert out.returncode == 0
+    for group in (
+        "run tasks baselines budgets privacy data seed eval sweep submit leaderboard results "
+        "plot bench"
+    ).split():
+        assert f" {group} " in out.stdout, group
+
+
+def test_cli_show_json_and_unknown_name():
+    out = _cli("tasks", "show", "synth-cv-en-ls-seed", "--json")
+    assert out.returncode == 0
+    data = json.loads(out.stdout)
+    assert data["name"] == "synth-cv-en-ls-seed" and data["_source"]["file_sha256"]
+    out = _cli("budgets", "show", "no-such-budget")
+    assert out.returncode == 2 and "unknown budget 'no-such-budget'" in out.stderr
+    assert "Traceback" not in out.stderr
