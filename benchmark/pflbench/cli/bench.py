@@ -1,13 +1,90 @@
-"""CLI: bench. Not built yet: each command says so and exits non-zero."""
+"""CLI: `bench` — speed and memory figures, printed (never asserted by timed tests)."""
+
+from __future__ import annotations
 
 import typer
+from rich.table import Table
 
-from pflbench.errors import NotBuiltError
+from pflbench.cli.common import JsonOption, console, print_json
+
+
+def _print(title: str, figures: dict, as_json: bool) -> None:
+    if as_json:
+        print_json(figures)
+        return
+    table = Table(title=title, show_header=True)
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, value in _flatten(figures).items():
+        table.add_row(key, f"{value:.4g}" if isinstance(value, float) else str(value))
+    console.print(table)
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat: dict = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("bench", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _bench() -> None:
-        """(not built yet)"""
-        raise NotBuiltError("'pflbench bench' is not built yet")
+    bench = typer.Typer(
+        help="Benchmarks that print speed and memory figures.", no_args_is_help=True
+    )
+    app.add_typer(bench, name="bench")
 
+    @bench.command("privacy")
+    def bench_privacy(as_json: bool = JsonOption) -> None:
+        """Time of one ε at T = 2000 (target < 1 s) and one calibration (target < 10 s)."""
+        from pflbench.privacy.bench import bench_privacy
+
+        _print("privacy accounting", bench_privacy(), as_json)
+
+    @bench.command("data")
+    def bench_data(as_json: bool = JsonOption) -> None:
+        """Feature extraction speed, per-user load time, synthesis time."""
+        from pflbench.data.bench import bench_data
+
+        _print("data pipeline", bench_data(), as_json)
+
+    @bench.command("model")
+    def bench_model(
+        device: str = typer.Option("cpu", help="cpu or cuda"),
+        preset: str = typer.Option(
+            None, help="Model preset (default: synth-cpu on CPU, paper-255m on CUDA)."
+        ),
+        as_json: bool = JsonOption,
+    ) -> None:
+        """Training throughput (s of audio per s); on CUDA also MFU in bf16."""
+        from pflbench.evaluate import bench_model
+
+        preset = preset or ("paper-255m" if device == "cuda" else "synth-cpu")
+        _print(f"model {preset} on {device}", bench_model(device=device, preset=preset), as_json)
+
+    @bench.command("fl")
+    def bench_fl(
+        preset: str = typer.Option(
+            None, help="Model preset (default: synth-cpu on CPU, paper-255m on CUDA)."
+        ),
+        device: str = typer.Option("cpu", help="cpu or cuda"),
+        cohort: int = typer.Option(8, help="Cohort size of the measured central steps."),
+        local_steps: int = typer.Option(10, help="Local steps per client."),
+        as_json: bool = JsonOption,
+    ) -> None:
+        """Local-step time, MFU, time per central step, overhead outside client training,
+        peak memory at two cohort sizes, and extrapolated GPU-hours for the paper's run."""
+        from pflbench.fl.bench import bench_fl
+
+        preset = preset or ("paper-255m" if device == "cuda" else "synth-cpu")
+        figures = bench_fl(preset=preset, device=device, cohort=cohort, local_steps=local_steps)
+        _print(f"federated step, {preset} on {device}", figures, as_json)
+
+    @bench.command("results")
+    def bench_results(as_json: bool = JsonOption) -> None:
+        """Leaderboard regeneration time over 10,000 synthetic records (target < 5 s)."""
+        from pflbench.results.bench import bench_results
+
+        _print("results", bench_results(), as_json)
