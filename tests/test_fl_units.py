@@ -1,0 +1,156 @@
+"""Units of the simulator tested alone: sampling, server optimizers, lr schedule, assignment,
+bucketed all-reduce helpers and layer selection for freezing."""
+
+import math
+
+import pytest
+import torch
+
+from pflbench.fl.distributed import _buckets, assign_users
+from pflbench.fl.freeze import select_trained
+from pflbench.fl.sampling import keyed_seed, sample_cohort
+from pflbench.fl.server import ServerOptimizer, learning_rate
+from pflbench.spec.models import LrDecay, ServerRecipe
+
+# ---------------------------------------------------------------------------------------------
+# Sampling
+
+
+def test_poisson_cohort_is_keyed_and_has_rate_q():
+    a = sample_cohort(1000, 100, "poisson", seed=3, step=7)
+    assert torch.equal(a, sample_cohort(1000, 100, "poisson", seed=3, step=7))
+    assert not torch.equal(a, sample_cohort(1000, 100, "poisson", seed=3, step=8))
+    assert not torch.equal(a, sample_cohort(1000, 100, "poisson", seed=4, step=7))
+    sizes = torch.tensor([len(sample_cohort(1000, 100, "poisson", 0, t)) for t in range(200)])
+    assert abs(sizes.double().mean().item() - 100) < 3  # E = qK = 100, sd of the mean ≈ 0.67
+    assert torch.all(a[1:] > a[:-1]) and a.max() < 1000
+
+
+def test_fixed_cohort_has_exactly_s_distinct_users():
+    c = sample_cohort(50, 8, "fixed", seed=1, step=2)
+    assert len(c) == 8 and len(set(c.tolist())) == 8
+    assert len(sample_cohort(5, 8, "fixed", seed=1, step=2)) == 5
+
+
+def test_keyed_seed_is_stable():
+    assert keyed_seed(1, 2, "u") == keyed_seed(1, 2, "u") != keyed_seed(1, 2, "v")
+
+
+# ---------------------------------------------------------------------------------------------
+# Server optimizers against hand-computed steps (θ = [3, 4], g = [1, 2], lr = 0.1)
+
+
+def _one_step(optimizer: str, steps: int = 1, **kw) -> list[float]:
+    theta = torch.tensor([3.0, 4.0])
+    opt = ServerOptimizer(ServerRecipe(optimizer=optimizer, **kw), ["w"], [theta])
+    for _ in range(steps):
+        opt.step([torch.tensor([1.0, 2.0])], lr=0.1)
+    return theta.tolist()
+
+
+def test_lamb_step_uses_trust_ratio_and_xi():
+    xi = 0.5
+    # Step 1 with bias correction: m̂ = g, v̂ = g², so u = g/(|g| + ξ).
+    u = [1 / (1 + xi), 2 / (2 + xi)]
+    ratio = 5.0 / math.hypot(*u)
+    expected = [3 - 0.1 * ratio * u[0], 4 - 0.1 * ratio * u[1]]
+    assert _one_step("lamb", eps=xi) == pytest.approx(expected, rel=1e-6)
+
+
+def test_lamb_weight_decay_enters_the_trust_ratio():
+    xi, lam = 0.5, 0.1
+    u = [1 / (1 + xi) + lam * 3, 2 / (2 + xi) + lam * 4]
+    ratio = 5.0 / math.hypot(*u)
+    expected = [3 - 0.1 * ratio * u[0], 4 - 0.1 * ratio * u[1]]
+    assert _one_step("lamb", eps=xi, weight_decay=lam) == pytest.approx(expected, rel=1e-6)
+
+
+def test_adam_two_steps_with_bias_correction():
+    b1, b2, eps = 0.9, 0.999, 1e-6
+    theta, m, v = [3.0, 4.0], [0.0, 0.0], [0.0, 0.0]
+    for t in (1, 2):
+        for i, g in enumerate((1.0, 2.0)):
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            mhat, vhat = m[i] / (1 - b1**t), v[i] / (1 - b2**t)
+            theta[i] -= 0.1 * mhat / (math.sqrt(vhat) + eps)
+    assert _one_step("adam", steps=2, eps=eps) == pytest.approx(theta, rel=1e-6)
+
+
+def test_lars_scales_by_norm_ratio_with_momentum():
+    ratio = 5.0 / math.hypot(1, 2)
+    step1 = [0.1 * ratio * 1, 0.1 * ratio * 2]
+    # Second step: θ changed, so the ratio is recomputed; momentum 0.5 carries step 1.
+    theta1 = [3 - step1[0], 4 - step1[1]]
+    ratio2 = math.hypot(*theta1) / math.hypot(1, 2)
+    step2 = [0.5 * step1[0] + 0.1 * ratio2 * 1, 0.5 * step1[1] + 0.1 * ratio2 * 2]
+    expected = [theta1[0] - step2[0], theta1[1] - step2[1]]
+    assert _one_step("lars", steps=2, momentum=0.5) == pytest.approx(expected, rel=1e-6)
+
+
+def test_adagrad_step():
+    eps = 1e-6
+    expected = [3 - 0.1 * 1 / math.sqrt(0.1 + 1 + eps), 4 - 0.1 * 2 / math.sqrt(0.1 + 4 + eps)]
+    assert _one_step("adagrad", eps=eps) == pytest.approx(expected, rel=1e-6)
+
+
+def test_sgd_with_momentum_two_steps():
+    # m1 = g, m2 = 0.9 g + g = 1.9 g: θ2 = θ − 0.1·(1 + 1.9)·g.
+    expected = [3 - 0.29 * 1, 4 - 0.29 * 2]
+    assert _one_step("sgd", steps=2, momentum=0.9) == pytest.approx(expected, rel=1e-6)
+
+
+def test_server_state_roundtrip_resumes_identically():
+    recipe = ServerRecipe(optimizer="lamb")
+    a, b = torch.tensor([3.0, 4.0]), torch.tensor([3.0, 4.0])
+    opt_a = ServerOptimizer(recipe, ["w"], [a])
+    opt_a.step([torch.tensor([1.0, 2.0])], lr=0.1)
+    opt_b = ServerOptimizer(recipe, ["w"], [b])
+    b.copy_(a)
+    opt_b.load_state_dict({k: v.clone() for k, v in opt_a.state_dict().items()})
+    for opt in (opt_a, opt_b):
+        opt.step([torch.tensor([-1.0, 0.5])], lr=0.1)
+    assert torch.equal(a, b)
+
+
+def test_lr_schedule_constant_then_exponential():
+    decay = LrDecay(start=10, rate=0.5, transition=4)
+    assert learning_rate(0, 0.2, decay) == learning_rate(10, 0.2, decay) == 0.2
+    assert learning_rate(14, 0.2, decay) == pytest.approx(0.1)
+    assert learning_rate(12, 0.2, decay) == pytest.approx(0.2 * 0.5**0.5)
+    assert learning_rate(99, 0.2, LrDecay()) == 0.2
+
+
+# ---------------------------------------------------------------------------------------------
+# Distributed helpers
+
+
+def test_greedy_assignment_balances_a_straggler():
+    work = [100.0, 1, 1, 1, 1, 50, 50]
+    shares = assign_users(work, 2)
+    assert sorted(i for s in shares for i in s) == list(range(7))
+    loads = sorted(sum(work[i] for i in s) for s in shares)
+    assert loads == [102.0, 102.0]  # the straggler 100 + 2 small ones vs 50 + 50 + 2 small ones
+    assert assign_users(work, 2) == shares  # deterministic on every rank
+    assert assign_users([], 3) == [[], [], []]
+
+
+def test_buckets_split_by_dtype_and_size(monkeypatch):
+    monkeypatch.setattr("pflbench.fl.distributed.BUCKET_BYTES", 64)
+    tensors = [torch.zeros(8, dtype=torch.int64), torch.zeros(8, dtype=torch.int64)]
+    tensors += [torch.zeros(4), torch.zeros(4)]
+    buckets = _buckets(tensors)
+    assert [len(b) for b in buckets] == [1, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------
+# Layer freezing selection
+
+
+def test_select_trained_top_and_bottom():
+    scores = {"a": 5.0, "b": 1.0, "c": 3.0, "d": 0.5}
+    sizes = {"a": 10, "b": 10, "c": 70, "d": 10}
+    assert select_trained(scores, sizes, 10, "top") == ["a"]
+    assert select_trained(scores, sizes, 10, "bottom") == ["b", "c", "d"]
+    assert select_trained(scores, sizes, 80, "top") == ["a", "c"]
+    assert select_trained(scores, sizes, 1, "top") == ["a"]  # never empty
