@@ -78,11 +78,11 @@ def test_adam_two_steps_with_bias_correction():
 
 
 def test_lars_scales_by_norm_ratio_with_momentum():
-    ratio = 5.0 / math.hypot(1, 2)
+    ratio = 0.001 * 5.0 / math.hypot(1, 2)
     step1 = [0.1 * ratio * 1, 0.1 * ratio * 2]
     # Second step: θ changed, so the ratio is recomputed; momentum 0.5 carries step 1.
     theta1 = [3 - step1[0], 4 - step1[1]]
-    ratio2 = math.hypot(*theta1) / math.hypot(1, 2)
+    ratio2 = 0.001 * math.hypot(*theta1) / math.hypot(1, 2)
     step2 = [0.5 * step1[0] + 0.1 * ratio2 * 1, 0.5 * step1[1] + 0.1 * ratio2 * 2]
     expected = [theta1[0] - step2[0], theta1[1] - step2[1]]
     assert _one_step("lars", steps=2, momentum=0.5) == pytest.approx(expected, rel=1e-6)

@@ -6,7 +6,7 @@ paper's library, App. G.4) with its defaults where the recipe has no key:
 - LAMB (paper App. E.4): Adam moments with bias correction, u = m̂/(√v̂ + ξ) + λθ,
   θ ← θ − lr·(‖θ‖/‖u‖)·u per tensor (trust ratio 1 where either norm is 0).
 - Adam: θ ← θ − lr·(m̂/(√v̂ + ξ) + λθ).
-- LARS: u = g + λθ scaled by ‖θ‖/‖u‖, then lr, then momentum (optax.lars, trust coefficient 1).
+- LARS: u = g + λθ scaled by 0.001·‖θ‖/‖u‖, then lr, then momentum (optax.lars).
 - AdaGrad: accumulator starts at 0.1, θ ← θ − lr·g/√(acc + ξ).
 - SGD: optional momentum μ and weight decay λ: m ← μm + g + λθ, θ ← θ − lr·m.
 """
@@ -18,6 +18,7 @@ import torch
 from pflbench.spec.models import LrDecay, ServerRecipe
 
 ADAGRAD_INITIAL_ACCUMULATOR = 0.1  # optax.adagrad default
+LARS_TRUST_COEFFICIENT = 0.001  # optax.lars default (the paper's LARS lrs, Table 9, assume it)
 
 
 def learning_rate(step: int, base_lr: float, decay: LrDecay) -> float:
@@ -89,7 +90,7 @@ class ServerOptimizer:
 
     def _lars(self, grads: list[torch.Tensor], lr: float) -> list[torch.Tensor]:
         direction = torch._foreach_add(grads, self.params, alpha=self.recipe.weight_decay)
-        ratios = trust_ratios(self.params, direction)
+        ratios = LARS_TRUST_COEFFICIENT * trust_ratios(self.params, direction)
         torch._foreach_mul_(direction, (-lr * ratios).tolist())
         if "momentum" not in self.state:
             return direction
