@@ -126,5 +126,7 @@ def test_small_model_overfits_a_few_utterances_to_zero_wer():
                 hyps = greedy_decode(*model(feats, lens), tok)
             if hyps == texts:
                 break
-    result = score([Transcript(str(i), "spk", r, h) for i, (r, h) in enumerate(zip(texts, hyps))])
+    result = score(
+        [Transcript(str(i), "spk", r, h) for i, (r, h) in enumerate(zip(texts, hyps, strict=True))]
+    )
     assert result["wer"] == 0.0 and result["cer"] == 0.0, hyps

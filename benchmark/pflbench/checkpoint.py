@@ -1,0 +1,87 @@
+"""Checkpoints: tensors in safetensors (no pickle, safe to load from anyone) + a JSON sidecar.
+
+    seed.safetensors   the tensors
+    seed.json          config, data digests, training stats — written last, so a checkpoint
+                       is complete exactly when its JSON exists
+
+Both files are written to a temporary name and renamed, so a crash never leaves a torn file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import Tensor
+
+from pflbench.errors import UserError
+from pflbench.model.transformer import CTCTransformer, ModelConfig
+
+
+def meta_path(path: Path) -> Path:
+    return path.with_suffix(".json")
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    write(tmp)
+    os.replace(tmp, path)
+
+
+def save_checkpoint(path: Path, tensors: dict[str, Tensor], meta: dict) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
+    _atomic_write(path, lambda tmp: save_file(cpu, str(tmp)))
+    text = json.dumps(meta, indent=2, sort_keys=True, default=str)
+    _atomic_write(meta_path(path), lambda tmp: tmp.write_text(text))
+
+
+def load_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"checkpoint {path}: no such file")
+    if not meta_path(path).is_file():
+        raise UserError(f"checkpoint {path}: its sidecar {meta_path(path).name} is missing")
+    try:
+        tensors = load_file(str(path))
+    except (SafetensorError, OSError) as exc:
+        raise UserError(f"checkpoint {path}: not a readable safetensors file ({exc})") from None
+    try:
+        meta = json.loads(meta_path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"checkpoint {meta_path(path)}: not valid JSON ({exc})") from None
+    return tensors, meta
+
+
+# ----------------------------------------------------------------------------------------------
+# Models
+
+
+def model_meta(model: CTCTransformer) -> dict:
+    return {"model_config": asdict(model.cfg), "vocab_size": model.vocab_size}
+
+
+def save_model(path: Path, model: CTCTransformer, meta: dict) -> None:
+    save_checkpoint(path, model.state_dict(), {**meta, **model_meta(model)})
+
+
+def load_model(path: Path, device: str | torch.device = "cpu") -> tuple[CTCTransformer, dict]:
+    """Rebuild the model a checkpoint describes and load its weights (strictly)."""
+    tensors, meta = load_checkpoint(path)
+    if "model_config" not in meta or "vocab_size" not in meta:
+        raise UserError(f"checkpoint {path}: its JSON has no model_config/vocab_size")
+    model = CTCTransformer(ModelConfig(**meta["model_config"]), int(meta["vocab_size"]))
+    model_tensors = {k: v for k, v in tensors.items() if not k.startswith("optim.")}
+    try:
+        model.load_state_dict(model_tensors, strict=True)
+    except RuntimeError as exc:
+        raise UserError(
+            f"checkpoint {path}: weights do not match its model_config ({exc})"
+        ) from None
+    return model.to(device), meta
