@@ -1,13 +1,177 @@
-"""CLI: privacy. Not built yet: each command says so and exits non-zero."""
+"""CLI: privacy epsilon | noise | report: the accountants from the command line."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
 
 import typer
+from rich.table import Table
 
-from pflbench.errors import NotBuiltError
+from pflbench.cli.common import JsonOption, SpecsOption, console, extra_spec_dirs, print_json
+from pflbench.errors import UserError
+from pflbench.privacy.accountants import (
+    ACCOUNTANTS,
+    EpsilonResult,
+    calibrate_noise,
+    check_mechanism,
+    compute_epsilon,
+)
+from pflbench.privacy.statement import check_scale, privacy_statement
+from pflbench.spec.models import PrivacyRecipe
+
+privacy_app = typer.Typer(
+    help="Privacy accounting: epsilon of a mechanism, noise for a target, run statements.",
+    no_args_is_help=True,
+)
+
+
+def accountant_names(accountant: str, allow_all: bool) -> list[str]:
+    if allow_all and accountant == "all":
+        return list(ACCOUNTANTS)
+    if accountant not in ACCOUNTANTS:
+        choices = ", ".join(ACCOUNTANTS) + (" or all" if allow_all else "")
+        raise UserError(f"--accountant: unknown accountant {accountant!r}; choose {choices}")
+    return [accountant]
+
+
+def epsilon_cell(entry: dict | None) -> str:
+    """One accountant's epsilon in a statement: None means no noise, "error" a skipped one."""
+    if entry is None:
+        return "inf (no DP)"
+    if entry.get("error"):
+        return "not computed (--json says why)"
+    return f"{entry['epsilon']:.4g}"
+
+
+@privacy_app.command("epsilon")
+def epsilon(
+    noise_multiplier: float = typer.Option(..., "--noise-multiplier", help="z: noise std / C."),
+    sampling_rate: float = typer.Option(..., "--sampling-rate", help="q: Poisson sampling rate."),
+    steps: int = typer.Option(..., "--steps", help="T: number of central steps."),
+    delta: float = typer.Option(..., "--delta"),
+    accountant: str = typer.Option("rdp", "--accountant", help="rdp, pld or all."),
+    json: bool = JsonOption,
+) -> None:
+    """Epsilon of the Poisson-subsampled Gaussian mechanism composed T times."""
+    names = accountant_names(accountant, allow_all=True)
+    check_mechanism(noise_multiplier, sampling_rate, steps, delta)
+    results = [compute_epsilon(noise_multiplier, sampling_rate, steps, delta, n) for n in names]
+    if json:
+        print_json({r.accountant: asdict(r) for r in results})
+        return
+    table = Table(title=f"z={noise_multiplier:g}  q={sampling_rate:g}  T={steps}  delta={delta:g}")
+    for column in ("accountant", "epsilon", "RDP order", "library", "discretization"):
+        table.add_column(column)
+    for r in results:
+        table.add_row(
+            r.accountant,
+            f"{r.epsilon:.4g}",
+            "" if r.order is None else f"{r.order:g}",
+            f"{r.library} {r.library_version}",
+            describe_details(r),
+        )
+    console.print(table)
+
+
+def describe_details(result: EpsilonResult) -> str:
+    if result.accountant == "rdp":
+        orders = result.details["orders"]
+        return f"{len(orders)} orders {orders[0]:g}..{orders[-1]:g}"
+    return f"interval {result.details['value_discretization_interval']:g}"
+
+
+@privacy_app.command("noise")
+def noise(
+    epsilon: float = typer.Option(..., "--epsilon", help="Target epsilon."),
+    delta: float = typer.Option(..., "--delta"),
+    population: int = typer.Option(..., "--population", help="K: number of users."),
+    cohort: int = typer.Option(..., "--cohort", help="S = qK: expected cohort size."),
+    steps: int = typer.Option(..., "--steps", help="T: number of central steps."),
+    accountant: str = typer.Option("rdp", "--accountant", help="rdp or pld."),
+    json: bool = JsonOption,
+) -> None:
+    """Smallest noise multiplier z with epsilon <= target, and sigma_dp = z / S."""
+    (name,) = accountant_names(accountant, allow_all=False)
+    check_scale(cohort, population, steps)
+    q = cohort / population
+    z = calibrate_noise(epsilon, q, steps, delta, name)
+    achieved = compute_epsilon(z, q, steps, delta, name)
+    record = {
+        "accountant": name,
+        "target_epsilon": epsilon,
+        "delta": delta,
+        "population": population,
+        "cohort": cohort,
+        "steps": steps,
+        "sampling_rate": q,
+        "noise_multiplier": z,
+        "sigma_dp": z / cohort,
+        "achieved": asdict(achieved),
+    }
+    if json:
+        print_json(record)
+        return
+    table = Table(title=f"noise for epsilon <= {epsilon:g} at delta={delta:g} ({name})")
+    table.add_column("quantity")
+    table.add_column("value")
+    table.add_row("sampling rate q = S/K", f"{q:.6g}")
+    table.add_row("noise multiplier z", f"{z:.6g}")
+    table.add_row("sigma_dp = z/S", f"{z / cohort:.6g}")
+    table.add_row("achieved epsilon", f"{achieved.epsilon:.6g}")
+    console.print(table)
+
+
+@privacy_app.command("report")
+def report(
+    sigma_dp: float = typer.Option(..., "--sigma-dp", help="Noise std of the average / C."),
+    cohort: int = typer.Option(..., "--cohort", help="S: (expected) cohort size simulated."),
+    population: int = typer.Option(..., "--population", help="K: users simulated."),
+    steps: int = typer.Option(..., "--steps", help="T: central steps simulated."),
+    delta: float = typer.Option(..., "--delta"),
+    budget: str | None = typer.Option(None, "--budget", help="Also at this budget's scale."),
+    clip_bound: float = typer.Option(PrivacyRecipe().clip_bound, "--clip-bound"),
+    sampling: str = typer.Option("poisson", "--sampling", help="poisson or fixed."),
+    accountant: str = typer.Option("all", "--accountant", help="rdp, pld or all."),
+    specs: list[Path] | None = SpecsOption,
+    json: bool = JsonOption,
+) -> None:
+    """Epsilon of a run at its simulated scale and, with --budget, at the budget's scale."""
+    names = accountant_names(accountant, allow_all=True)
+    if not 0 < delta < 1:
+        raise UserError(f"--delta must be in (0, 1), got {delta}")
+    budget_spec = None
+    if budget is not None:
+        from pflbench.spec.registry import load_registry
+
+        budget_spec = load_registry(extra_spec_dirs(specs)).budget(budget).spec
+    statement = privacy_statement(
+        sigma_dp, clip_bound, cohort, population, steps, delta, sampling, budget_spec, names
+    )
+    if json:
+        print_json(statement)
+        return
+    table = Table(title=f"sigma_dp={sigma_dp:g}  C={clip_bound:g}  sampling={sampling}")
+    for column in ("scale", "K", "S", "T", "q", "z", "delta", *(f"eps {n}" for n in names)):
+        table.add_column(column)
+    scales = [("simulated", statement["simulated"]), ("extrapolated", statement["extrapolated"])]
+    for label, scale in scales:
+        if scale is None:
+            continue
+        eps = [epsilon_cell(scale["epsilon"][n]) for n in names]
+        table.add_row(
+            label if label == "simulated" else f"{label} ({scale['budget']})",
+            str(scale["population"]),
+            str(scale["cohort"]),
+            str(scale["steps"]),
+            f"{scale['sampling_rate']:.4g}",
+            f"{scale['noise_multiplier']:.4g}",
+            f"{scale['delta']:g}",
+            *eps,
+        )
+    console.print(table)
+    console.print(statement["how"], highlight=False)
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("privacy", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _privacy() -> None:
-        """(not built yet)"""
-        raise NotBuiltError("'pflbench privacy' is not built yet")
-
+    app.add_typer(privacy_app, name="privacy")

@@ -1,0 +1,114 @@
+"""Clipping a user's model update (name -> tensor) to an L2 bound C: globally or per layer.
+
+A layer is one named parameter tensor. Per-layer bounds C_h satisfy sum_h C_h^2 = C^2, so a
+per-layer clipped update also has ||update|| <= C and the DP sensitivity is unchanged.
+Norms are computed in fp32 (fp64 for fp64 tensors) whatever the tensor dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+# Allowance for the fp32 norm itself being rounded: with the dtype's own rounding of the scaled
+# values (<= eps/2 relative), a clipped tensor stays inside its bound.
+NORM_ROUNDING = 2.0**-23
+
+
+@dataclass
+class ClipResult:
+    update: dict[str, Tensor]  # clipped (same dtypes/devices as input)
+    norms: Tensor  # fp32 [H] per-layer L2 norms before clipping (order = dict order)
+    factors: Tensor  # fp32 [H] multiplicative clip factor applied per layer (<= 1)
+    total_norm: float  # global L2 norm before clipping
+
+
+def layer_bounds(sizes: Sequence[int], bound: float, mode: Literal["uniform", "dim"]) -> Tensor:
+    """Per-layer bounds C_h: C/sqrt(H) ("uniform") or C*sqrt(d_h / sum d) ("dim"), fp32 [H]."""
+    if len(sizes) == 0:
+        raise ValueError("layer_bounds needs at least one layer")
+    sizes64 = torch.tensor(sizes, dtype=torch.float64)
+    if mode == "uniform":
+        bounds = torch.full_like(sizes64, bound / math.sqrt(len(sizes)))
+    elif mode == "dim":
+        bounds = bound * torch.sqrt(sizes64 / sizes64.sum())
+    else:
+        raise ValueError(f"unknown per-layer mode {mode!r}; expected 'uniform' or 'dim'")
+    return bounds.to(torch.float32)
+
+
+def layer_norms(tensors: Sequence[Tensor]) -> Tensor:
+    """fp32 [H] L2 norm of each tensor, accumulated in at least fp32 (fp16 squares overflow)."""
+    return torch.stack(
+        [
+            torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)).float()
+            for t in tensors
+        ]
+    )
+
+
+def rounding_margin(dtype: torch.dtype) -> float:
+    """Relative shrink applied to clipped layers so that rounding cannot push them past C_h."""
+    return torch.finfo(dtype).eps + NORM_ROUNDING
+
+
+def clip_update(
+    update: dict[str, Tensor],
+    clipping: Literal["none", "global", "perlayer"],
+    bound: float,
+    perlayer_mode: Literal["uniform", "dim"] = "dim",
+    in_place: bool = False,
+) -> ClipResult:
+    """Clip `update` to L2 norm `bound` (global) or each layer to C_h (per layer).
+
+    Layers already inside their bound are returned unchanged (factor exactly 1). Call
+    `zero_if_nonfinite` first: a NaN/Inf update has no meaningful norm.
+    """
+    if not update:
+        raise ValueError("clip_update needs a non-empty update")
+    if not bound > 0:
+        raise ValueError(f"clip bound must be > 0, got {bound}")
+    tensors = list(update.values())
+    norms = layer_norms(tensors)
+    total_norm = float(torch.linalg.vector_norm(norms.double()))
+    margins = torch.tensor([rounding_margin(t.dtype) for t in tensors], device=norms.device)
+    if clipping == "none":
+        factors = torch.ones_like(norms)
+    elif clipping == "global":
+        scale = (1 - margins.max()) * bound / max(total_norm, 1e-300)
+        factors = torch.full_like(norms, float(scale) if total_norm > bound else 1.0)
+    elif clipping == "perlayer":
+        bounds = layer_bounds([t.numel() for t in tensors], bound, perlayer_mode).to(norms.device)
+        over = norms > bounds
+        factors = torch.where(over, (1 - margins) * bounds / norms.clamp_min(1e-30), 1.0)
+    else:
+        raise ValueError(f"unknown clipping {clipping!r}; expected none, global or perlayer")
+
+    out = tensors if in_place else [t.clone() for t in tensors]
+    scaled = [(t, f) for t, f in zip(out, factors.tolist(), strict=True) if f != 1.0]
+    if scaled:
+        torch._foreach_mul_([t for t, _ in scaled], [f for _, f in scaled])
+    return ClipResult(
+        update=dict(zip(update.keys(), out, strict=True)),
+        norms=norms,
+        factors=factors,
+        total_norm=total_norm,
+    )
+
+
+def zero_if_nonfinite(update: dict[str, Tensor]) -> bool:
+    """Zero the whole update in place if any element is NaN/Inf; return whether it was.
+
+    A zero update is inside every clipping bound, so replacing a broken user keeps DP intact.
+    """
+    tensors = list(update.values())
+    finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+    if bool(finite):
+        return False
+    torch._foreach_zero_(tensors)
+    return True
