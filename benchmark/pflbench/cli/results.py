@@ -1,28 +1,209 @@
-"""CLI: submit leaderboard results plot. Not built yet: each command says so and exits non-zero."""
+"""CLI: submit, leaderboard, results (export, validate), plot, sweep."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
-from pflbench.errors import NotBuiltError
+from pflbench.cli.common import (
+    JsonOption,
+    SpecsOption,
+    console,
+    err_console,
+    extra_spec_dirs,
+    print_json,
+)
+from pflbench.errors import UserError
+
+ResultsOption = typer.Option(Path("results"), "--results", help="The results folder.")
+LEADERBOARD_FILE = Path("leaderboard.md")
+
+
+def _registry(specs: list[Path] | None):
+    from pflbench.spec.registry import load_registry
+
+    return load_registry(extra_spec_dirs(specs))
+
+
+def _split(text: str, what: str) -> list[str]:
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise UserError(f"--{what}: expected a comma-separated list, got {text!r}")
+    return items
+
+
+def _print_plots(report) -> None:
+    for path in report.written:
+        console.print(f"wrote {path}", highlight=False)
+    for why in report.skipped:
+        console.print(f"[yellow]skipped[/] {why}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("submit", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _submit() -> None:
-        """(not built yet)"""
-        raise NotBuiltError("'pflbench submit' is not built yet")
+    @app.command("submit")
+    def submit(
+        run_dir: Path = typer.Argument(..., help="A finished run folder (with DONE)."),
+        results: Path = ResultsOption,
+        stale: bool = typer.Option(
+            False, "--stale", help="Accept a run of an older task version; it is shown as stale."
+        ),
+        specs: list[Path] = SpecsOption,
+        as_json: bool = JsonOption,
+    ) -> None:
+        """Validate a finished run's record and file it under results/<task>/<budget>/."""
+        from pflbench.results.submit import submit as submit_run
 
-    @app.command("leaderboard", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _leaderboard() -> None:
-        """(not built yet)"""
-        raise NotBuiltError("'pflbench leaderboard' is not built yet")
+        accepted = submit_run(run_dir, results, _registry(specs), stale_ok=stale)
+        if as_json:
+            print_json(
+                {
+                    "record_id": accepted.record.record_id,
+                    "path": str(accepted.path),
+                    "stale": accepted.stale,
+                }
+            )
+            return
+        note = " [yellow](stale: older task version)[/]" if accepted.stale else ""
+        console.print(
+            f"accepted {accepted.record.record_id} → {accepted.path}{note}", highlight=False
+        )
+        console.print("run `pflbench leaderboard` to update leaderboard.md")
 
-    @app.command("results", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _results() -> None:
-        """(not built yet)"""
-        raise NotBuiltError("'pflbench results' is not built yet")
+    @app.command("leaderboard")
+    def leaderboard(
+        results: Path = ResultsOption,
+        output: Path = typer.Option(LEADERBOARD_FILE, "--output", help="The file to write."),
+        check: bool = typer.Option(
+            False, "--check", help="Write nothing; exit 1 when the file is not up to date."
+        ),
+        specs: list[Path] = SpecsOption,
+    ) -> None:
+        """Regenerate leaderboard.md from results/ (byte-identical for the same records)."""
+        from pflbench.results.leaderboard import (
+            leaderboard_is_current,
+            load_results,
+            render_leaderboard,
+        )
 
-    @app.command("plot", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _plot() -> None:
-        """(not built yet)"""
-        raise NotBuiltError("'pflbench plot' is not built yet")
+        registry = _registry(specs)
+        text = render_leaderboard(
+            load_results(results),
+            {name: loaded.spec.version for name, loaded in registry.tasks.items()},
+            {name: loaded.spec for name, loaded in registry.budgets.items()},
+        )
+        if check:
+            if not leaderboard_is_current(output, text):
+                err_console.print(
+                    f"{output} is stale: run `pflbench leaderboard` and commit the result",
+                    highlight=False,
+                )
+                raise typer.Exit(1)
+            console.print(f"{output} is up to date", highlight=False)
+            return
+        output.write_text(text, encoding="utf-8")
+        console.print(f"wrote {output}", highlight=False)
 
+    group = typer.Typer(help="Work with the records in results/.", no_args_is_help=True)
+    app.add_typer(group, name="results")
+
+    @group.command("export")
+    def export(
+        parquet: Path = typer.Option(..., "--parquet", help="The Parquet file to write."),
+        results: Path = ResultsOption,
+    ) -> None:
+        """One row per record, flat columns (pyarrow), for pandas users."""
+        from pflbench.results.export import export_parquet
+        from pflbench.results.leaderboard import load_results
+
+        rows = export_parquet(load_results(results), parquet)
+        console.print(f"wrote {rows} rows to {parquet}", highlight=False)
+
+    @group.command("validate")
+    def validate(
+        results: Path = ResultsOption,
+        specs: list[Path] = SpecsOption,
+    ) -> None:
+        """Re-check every record in results/ (schema, ids, config hashes, ε claims)."""
+        from pflbench.results.leaderboard import load_result_files
+        from pflbench.results.submit import validate_record
+
+        registry = _registry(specs)
+        found = load_result_files(results)
+        stale = 0
+        for path, record, raw in found:
+            if record.kind == "run":
+                stale += validate_record(record, raw, registry, str(path), stale_ok=True)
+        console.print(f"{len(found)} records valid ({stale} stale)", highlight=False)
+
+    @app.command("plot")
+    def plot(
+        task: str = typer.Option(None, "--task", help="Only this task (default: every task)."),
+        results: Path = ResultsOption,
+        run: list[Path] = typer.Option(
+            None, "--run", help="A run folder: also plot its layer norms and training curves."
+        ),
+        out: Path = typer.Option(Path("plots"), "--out", help="Where the figures go."),
+    ) -> None:
+        """Figures (PNG + SVG) from results/ and from run logs."""
+        from pflbench.results.leaderboard import load_results
+        from pflbench.results.plots import plot_results, plot_run
+
+        records = load_results(results)
+        if task is not None and task not in {r.task.name for r in records}:
+            raise UserError(f"--task {task!r}: no records of this task in {results}")
+        report = plot_results(records, out, task)
+        for run_dir in run or []:
+            plot_run(run_dir, out / "runs", report)
+        _print_plots(report)
+
+    @app.command("sweep")
+    def sweep(
+        task: str = typer.Option(..., "--task"),
+        baselines: str = typer.Option(..., "--baselines", help="Comma-separated baselines."),
+        budgets: str = typer.Option("none", "--budgets", help="Comma-separated budgets."),
+        seeds: str = typer.Option("0", "--seeds", help="Comma-separated seeds."),
+        sets: list[str] = typer.Option(None, "--set", help="key.path=value for every run."),
+        out: Path = typer.Option(Path("runs"), "--out", help="Runs go to OUT/<task>/<run>/."),
+        dry_run: bool = typer.Option(False, "--dry-run", help="List the runs; run nothing."),
+        device: str = typer.Option("cpu", "--device", help="cpu or cuda, for every run."),
+        data_root: Path = typer.Option(None, "--data-root", help="Real corpora folder."),
+        specs: list[Path] = SpecsOption,
+    ) -> None:
+        """Run a grid of baselines × budgets × seeds (finished runs are skipped), then plot."""
+        from pflbench.results.sweep import plan_sweep, run_sweep
+
+        registry = _registry(specs)
+        registry.task(task)
+        baseline_names, budget_names = _split(baselines, "baselines"), _split(budgets, "budgets")
+        for name in baseline_names:
+            registry.baseline(name)
+        for name in budget_names:
+            registry.budget(name)
+        try:
+            seed_list = [int(s) for s in _split(seeds, "seeds")]
+        except ValueError:
+            raise UserError(f"--seeds {seeds!r}: expected integers, e.g. 1,2,3") from None
+        run_args = ["--device", device, "--no-progress"]
+        run_args += ["--data-root", str(data_root)] if data_root else []
+        for folder in specs or []:
+            run_args += ["--specs", str(folder)]
+        plan = plan_sweep(
+            task, baseline_names, budget_names, seed_list, sets or [], out, tuple(run_args)
+        )
+        if dry_run:
+            for run in plan:
+                state = "done" if run.done else "to run"
+                typer.echo(f"{state:7} {run.run_dir}  ({' '.join(run.command()[2:])})")
+            return
+        report = run_sweep(plan, out / task / "plots")
+        console.print(
+            f"{len(report.finished)} finished, {len(report.skipped)} already done, "
+            f"{len(report.failed)} failed",
+            highlight=False,
+        )
+        _print_plots(report.plots)
+        for run, code in report.failed:
+            err_console.print(f"failed (exit {code}): {run.run_dir}", highlight=False)
+        if report.failed:
+            raise typer.Exit(1)

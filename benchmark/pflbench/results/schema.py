@@ -1,0 +1,277 @@
+"""The result record: one finished run (or one row copied from a paper) as versioned JSON.
+
+A record is plain data. It is read with `json` and validated with pydantic; nothing in it is ever
+executed, unpickled or used as a file path without `safe_name`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from pflbench.errors import UserError
+from pflbench.spec.registry import format_validation_error
+from pflbench.spec.resolve import canonical_json
+
+RECORD_SCHEMA_VERSION = 1
+MAX_RECORD_BYTES = 2 * 1024 * 1024  # a record is a few KiB; anything this large is not one
+NAME_PATTERN = r"^[a-z0-9][a-z0-9.\-]{0,99}$"  # task / baseline / budget names (as in the specs)
+RECORD_ID_PATTERN = r"^[0-9a-f]{16}$"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Open(BaseModel):
+    """Privacy claims come from pflbench.privacy verbatim: extra keys there are kept."""
+
+    model_config = ConfigDict(extra="allow")
+
+
+class Provenance(Strict):
+    paper: str
+    table: str
+    row: str
+    note: str = ""
+
+
+class TaskRef(Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    version: int = Field(ge=1)
+
+
+class EvalResult(Strict):
+    role: Literal["dev", "test"]
+    wer: float = Field(ge=0, description="Word error rate as a fraction (0.2 = 20%).")
+    cer: float | None = Field(None, ge=0)
+    speaker_wer_mean: float | None = Field(None, ge=0)
+    num_utterances: int | None = Field(None, ge=0)
+
+
+class HistoryPoint(Strict):
+    step: int = Field(ge=0)
+    eval_set: str
+    wer: float = Field(ge=0)
+    cer: float | None = Field(None, ge=0)
+
+
+class Metrics(Strict):
+    final: dict[str, EvalResult] = Field(min_length=1)
+    seed_model: dict[str, EvalResult] | None = None
+    history: list[HistoryPoint] = Field(default_factory=list)
+
+
+class EpsilonClaim(Open):
+    """One accountant's ε; `epsilon` is null with an `error` where the accountant cannot compute
+    it (e.g. PLD at an astronomically large ε)."""
+
+    accountant: Literal["rdp", "pld"]
+    library: str | None = None
+    library_version: str | None = None
+    epsilon: float | None = Field(None, ge=0)
+    delta: float | None = None
+    noise_multiplier: float | None = None
+    sampling_rate: float | None = None
+    steps: int | None = None
+    order: float | None = None
+    details: Any = None
+    error: str | None = None
+
+
+class ScaleClaim(Open):
+    population: int = Field(ge=1)
+    cohort: int = Field(ge=1)
+    steps: int = Field(ge=0)
+    sampling_rate: float
+    noise_multiplier: float
+    epsilon: dict[str, EpsilonClaim | None] = Field(
+        description="By accountant name; null without noise (ε is infinite)."
+    )
+
+
+class PrivacyClaim(Open):
+    """What pflbench.privacy.statement.privacy_statement returns (see notes/record.md)."""
+
+    dp: bool
+    mechanism: str | None = None
+    sigma_dp: float | None = Field(None, ge=0)
+    clip_bound: float | None = Field(None, gt=0)
+    sampling: Literal["poisson", "fixed"] | None = None
+    simulated: ScaleClaim | None = None
+    extrapolated: ScaleClaim | None = None
+    how: str | None = None
+
+
+class Cfmq(Strict):
+    """Paper 004's cost: CFMQ = R·K·(P + α·μ·ν)."""
+
+    rounds: int | None = None
+    clients_per_round: float | None = None
+    payload_bytes: float | None = None
+    mean_local_steps: float | None = None
+    peak_client_memory_bytes: float | None = None
+    alpha: float | None = None
+    value: float | None = None
+
+
+class Compute(Strict):
+    """Optional fields are unknown for reference rows (a paper rarely reports them)."""
+
+    wall_seconds: float | None = None
+    device: str | None = None
+    device_name: str | None = None
+    num_processes: int | None = None
+    gpu_hours: float | None = None
+    central_steps: int | None = None
+    cfmq: Cfmq | None = None
+
+
+class Software(Strict):
+    pflbench_version: str
+    git_commit: str | None = None
+    torch_version: str
+    python_version: str
+    platform: str
+
+
+class DataInfo(Strict):
+    digests: dict[str, str] = Field(default_factory=dict)
+    skipped: dict[str, Any] = Field(default_factory=dict)
+
+
+class Diagnostics(Strict):
+    nonfinite_updates: int = Field(0, ge=0)
+    clipped_fraction_mean: float | None = None
+
+
+class ResultRecord(Strict):
+    """One result: a run of `pflbench run` ("run") or a row copied from a paper ("reference")."""
+
+    schema_version: int
+    record_id: str = Field(pattern=RECORD_ID_PATTERN)
+    created: str = Field(description="ISO-8601 UTC time the record was written.")
+    kind: Literal["run", "reference"]
+    provenance: Provenance | None = None
+    task: TaskRef
+    baseline: str = Field(pattern=NAME_PATTERN)
+    budget: str = Field(pattern=NAME_PATTERN)
+    seed: int | None = None
+    config_hash: str | None = Field(None, pattern=r"^[0-9a-f]{64}$")
+    config: dict[str, Any] | None = Field(None, description="The resolved RunConfig as JSON.")
+    metrics: Metrics
+    privacy: PrivacyClaim | None = None
+    compute: Compute
+    software: Software | None = None
+    data: DataInfo | None = None
+    diagnostics: Diagnostics | None = None
+
+    @model_validator(mode="after")
+    def _kind_fields(self) -> ResultRecord:
+        try:
+            datetime.fromisoformat(self.created)
+        except ValueError:
+            raise ValueError(f"created {self.created!r} is not an ISO-8601 time") from None
+        if self.kind == "reference" and self.provenance is None:
+            raise ValueError("a reference record needs provenance (paper, table, row)")
+        if self.kind == "run":
+            needed = ("seed", "config_hash", "config", "software", "data", "diagnostics")
+            missing = [name for name in needed if getattr(self, name) is None]
+            if missing:
+                raise ValueError(f"a run record needs {', '.join(missing)}")
+        return self
+
+
+# ----------------------------------------------------------------------------------------------
+# Helpers
+
+
+def compute_record_id(record: dict) -> str:
+    """First 16 hex of sha256 over the canonical JSON of the record without its record_id."""
+    body = {key: value for key, value in record.items() if key != "record_id"}
+    return hashlib.sha256(canonical_json(body).encode()).hexdigest()[:16]
+
+
+def config_dict_hash(config: dict) -> str:
+    """Equals spec.resolve.config_hash(cfg) when `config` is cfg.model_dump(mode="json")."""
+    return hashlib.sha256(canonical_json(config).encode()).hexdigest()
+
+
+def safe_name(name: str, what: str) -> str:
+    """A name from a record, checked before it becomes a path component (no '/', '..', '~')."""
+    if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
+        raise UserError(
+            f"{what} {name!r} is not a safe name: expected lowercase letters, digits, '.', '-' "
+            "starting with a letter or digit (it becomes a folder name under results/)"
+        )
+    return name
+
+
+def _json_constant(value: str) -> float:
+    # ε is infinite without noise, so Infinity is accepted; NaN is never a valid measurement.
+    if value == "NaN":
+        raise ValueError("NaN is not a valid value in a record")
+    return float(value)
+
+
+def read_json_file(path: Path, limit: int = MAX_RECORD_BYTES) -> Any:
+    """JSON from a file of at most `limit` bytes (NaN refused)."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file")
+    size = path.stat().st_size
+    if size > limit:
+        raise UserError(f"{path}: {size} bytes is over the {limit}-byte limit for a record")
+    try:
+        return json.loads(path.read_bytes(), parse_constant=_json_constant)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UserError(f"{path}: not valid JSON: {exc}") from None
+
+
+def parse_record(data: Any, where: str) -> ResultRecord:
+    """Validate a decoded record: known schema version, schema, and an id that matches its body."""
+    if not isinstance(data, dict):
+        raise UserError(f"{where}: a record is a JSON object, got {type(data).__name__}")
+    version = data.get("schema_version")
+    if version != RECORD_SCHEMA_VERSION:
+        raise UserError(
+            f"{where}: unknown record schema_version {version!r} "
+            f"(this pflbench reads version {RECORD_SCHEMA_VERSION})"
+        )
+    try:
+        record = ResultRecord.model_validate(data)
+    except ValidationError as exc:
+        raise UserError(
+            format_validation_error(where, exc).replace("invalid spec", "invalid record")
+        ) from None
+    expected = compute_record_id(data)
+    if record.record_id != expected:
+        raise UserError(
+            f"{where}: record_id {record.record_id} does not match its content ({expected}); "
+            "the record was edited after it was written"
+        )
+    return record
+
+
+def load_record(path: Path) -> tuple[ResultRecord, dict]:
+    """(validated record, the raw dict it came from) from a JSON file."""
+    data = read_json_file(path)
+    return parse_record(data, str(path)), data
+
+
+def finite_or_none(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
+def schema_json() -> str:
+    """The JSON Schema of ResultRecord as written to results/schema.json."""
+    schema = ResultRecord.model_json_schema()
+    schema["$id"] = f"pflbench-result-record-v{RECORD_SCHEMA_VERSION}"
+    return json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"

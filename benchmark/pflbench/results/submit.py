@@ -1,0 +1,263 @@
+"""`pflbench submit RUN_DIR`: check a finished run's record and file it under results/.
+
+Every check recomputes what can be recomputed (record id, config hash, ε by the pinned
+accountants) and refuses with a UserError that names the file and the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from pflbench.errors import UserError
+from pflbench.results.schema import (
+    ResultRecord,
+    config_dict_hash,
+    load_record,
+    read_json_file,
+    safe_name,
+)
+from pflbench.spec.models import Budget, RunConfig
+from pflbench.spec.registry import Registry, format_validation_error
+
+EPSILON_RTOL = 1e-3  # recomputed ε vs claimed ε; accountants are deterministic, this is float slack
+EXACT_RTOL = 1e-9  # z = σ_DP·S and q = S/K are products of the claim's own numbers
+
+
+@dataclass(frozen=True)
+class Accepted:
+    record: ResultRecord
+    path: Path
+    stale: bool
+
+
+def record_path(results_root: Path, record: ResultRecord) -> Path:
+    """results/<task>/<budget>/<record-id>.json: every component checked, never outside the root."""
+    task = safe_name(record.task.name, "task name")
+    budget = safe_name(record.budget, "budget name")
+    path = Path(results_root) / task / budget / f"{record.record_id}.json"
+    root = Path(results_root).resolve()
+    if root not in path.resolve().parents:
+        raise UserError(f"refusing to write {path}: it is outside {root}")
+    return path
+
+
+def _close(a: float, b: float, rtol: float) -> bool:
+    return math.isclose(a, b, rel_tol=rtol, abs_tol=0.0) or (math.isinf(a) and a == b)
+
+
+# ----------------------------------------------------------------------------------------------
+# Checks
+
+
+def check_config(record: ResultRecord, raw: dict, where: str) -> RunConfig:
+    """The stored config parses, its hash is the claimed one, and it names what the record says."""
+    try:
+        config = RunConfig.model_validate(raw["config"])
+    except ValidationError as exc:
+        raise UserError(format_validation_error(f"{where}: config", exc)) from None
+    actual = config_dict_hash(raw["config"])
+    if actual != record.config_hash:
+        raise UserError(
+            f"{where}: config_hash {record.config_hash} does not match the stored config "
+            f"(its hash is {actual})"
+        )
+    claimed = (record.task.name, record.task.version, record.baseline, record.budget, record.seed)
+    actual_ids = (
+        config.task.name,
+        config.task.version,
+        config.baseline.name,
+        config.budget.name,
+        config.seed,
+    )
+    if claimed != actual_ids:
+        raise UserError(
+            f"{where}: the record says (task, version, baseline, budget, seed) = {claimed} "
+            f"but its config says {actual_ids}"
+        )
+    return config
+
+
+def check_run_dir_config(run_dir: Path, record: ResultRecord) -> None:
+    """The run directory's config.json is the config the record was made from."""
+    path = run_dir / "config.json"
+    stored = read_json_file(path)
+    if not isinstance(stored, dict) or config_dict_hash(stored) != record.config_hash:
+        raise UserError(
+            f"{path}: the resolved config of the run does not match the record's config_hash "
+            f"{record.config_hash}"
+        )
+
+
+def check_task_version(
+    record: ResultRecord, registry: Registry, where: str, stale_ok: bool
+) -> bool:
+    """True when the record's task version is older/newer than the registry's (a stale result)."""
+    current = registry.task(record.task.name).spec.version
+    if current == record.task.version:
+        return False
+    if not stale_ok:
+        raise UserError(
+            f"{where}: task {record.task.name!r} is version {current} in the registry but the run "
+            f"used version {record.task.version}; rerun it, or pass --stale to file it marked stale"
+        )
+    return True
+
+
+def check_budget(config: RunConfig, registry: Registry, where: str) -> Budget:
+    budget = registry.budget(config.budget.name).spec
+    if budget != config.budget:
+        raise UserError(
+            f"{where}: budget {budget.name!r} in the registry differs from the one the run used"
+        )
+    return budget
+
+
+def check_privacy(privacy: dict | None, config: RunConfig, budget: Budget, where: str) -> None:
+    """Recompute every ε claim with the pinned accountants and hold it against the budget."""
+    if not budget.dp:
+        if privacy is not None and privacy.get("dp"):
+            raise UserError(
+                f"{where}: the record claims DP but is filed under budget {budget.name!r}"
+            )
+        return
+    if privacy is None or not privacy.get("dp"):
+        raise UserError(f"{where}: budget {budget.name!r} needs a DP privacy claim; none found")
+    recipe = config.recipe
+    expected = {
+        "clip_bound": recipe.privacy.clip_bound,
+        "sampling": recipe.federated.sampling,
+    }
+    for key, value in expected.items():
+        if privacy.get(key) != value:
+            raise UserError(
+                f"{where}: privacy.{key} is {privacy.get(key)!r} but the config says {value!r}"
+            )
+    population = (privacy.get("simulated") or {}).get("population")
+    # The runner caps the cohort at the population of the (small) simulated corpus.
+    cohort = min(recipe.federated.cohort_size, population or recipe.federated.cohort_size)
+    scales = {
+        "simulated": (None, cohort, recipe.federated.central_steps),
+        "extrapolated": (budget.population, budget.cohort, budget.steps),
+    }
+    fresh_rdp_ext = None
+    for scale, (population, cohort, steps) in scales.items():
+        claim = privacy.get(scale)
+        if not isinstance(claim, dict):
+            raise UserError(f"{where}: privacy.{scale} is missing")
+        shape = {"population": population, "cohort": cohort, "steps": steps}
+        for key, value in shape.items():
+            if value is not None and claim.get(key) != value:
+                raise UserError(
+                    f"{where}: privacy.{scale}.{key} is {claim.get(key)!r}, expected {value!r}"
+                )
+        fresh = check_scale(claim, privacy["sigma_dp"], budget.delta, f"{where}: privacy.{scale}")
+        if scale == "extrapolated":
+            fresh_rdp_ext = fresh
+    if fresh_rdp_ext > budget.epsilon * (1 + EXACT_RTOL):
+        raise UserError(
+            f"{where}: ε = {fresh_rdp_ext:.4g} (rdp, extrapolated scale) is above the budget "
+            f"{budget.name!r} (ε = {budget.epsilon})"
+        )
+
+
+def check_scale(claim: dict, sigma_dp: float, delta: float, where: str) -> float:
+    """Check one scale's claims against a fresh computation; returns the fresh RDP ε."""
+    cohort, population, steps = claim["cohort"], claim["population"], claim["steps"]
+    z, q = sigma_dp * cohort, cohort / population
+    for key, value in (("noise_multiplier", z), ("sampling_rate", q)):
+        if not _close(float(claim[key]), value, EXACT_RTOL):
+            raise UserError(f"{where}.{key} is {claim[key]!r} but σ_DP, S, K give {value!r}")
+    epsilons = claim.get("epsilon") or {}
+    if not isinstance(epsilons.get("rdp"), dict):
+        raise UserError(f"{where}.epsilon has no 'rdp' claim")
+    fresh = {
+        name: check_epsilon_claim(name, item, z, q, steps, delta, f"{where}.epsilon.{name}")
+        for name, item in sorted(epsilons.items())
+    }
+    if fresh["rdp"] is None:
+        raise UserError(f"{where}.epsilon.rdp: no ε claimed")
+    return fresh["rdp"]
+
+
+def check_epsilon_claim(
+    name: str, item: dict | None, z: float, q: float, steps: int, delta: float, where: str
+) -> float | None:
+    """A fresh ε from the pinned accountant must match the claim; returns it (None when the
+    accountant cannot compute it and the claim says so)."""
+    from pflbench.privacy.accountants import compute_epsilon
+
+    if not isinstance(item, dict) or item.get("accountant") != name:
+        raise UserError(f"{where}: expected a {name} ε claim, got {item!r}")
+    if item.get("epsilon") is None:
+        try:
+            value = compute_epsilon(z, q, steps, delta, accountant=name).epsilon
+        except UserError:
+            return None  # the claim says this accountant cannot compute it, and indeed it cannot
+        raise UserError(f"{where}: no ε claimed, but the {name} accountant gives {value!r}")
+    expected = {"noise_multiplier": z, "sampling_rate": q, "steps": steps, "delta": delta}
+    for key, value in expected.items():
+        if item.get(key) is None or not _close(float(item[key]), value, EXACT_RTOL):
+            raise UserError(f"{where}.{key} is {item.get(key)!r}, expected {value!r}")
+    fresh = compute_epsilon(z, q, steps, delta, accountant=name).epsilon
+    if not _close(float(item["epsilon"]), fresh, EPSILON_RTOL):
+        raise UserError(
+            f"{where}: claimed ε = {item['epsilon']!r} but the {name} accountant gives "
+            f"{fresh!r} for z = {z}, q = {q}, T = {steps}, δ = {delta}"
+        )
+    return fresh
+
+
+def find_duplicate(record: ResultRecord, folder: Path) -> Path | None:
+    """An existing record with the same id, or from the same config (same seed included)."""
+    same_id = folder / f"{record.record_id}.json"
+    if same_id.exists():
+        return same_id
+    for path in sorted(folder.glob("*.json")):
+        other, _ = load_record(path)
+        if other.config_hash is not None and other.config_hash == record.config_hash:
+            return path
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole check and the filing
+
+
+def validate_record(
+    record: ResultRecord, raw: dict, registry: Registry, where: str, stale_ok: bool = False
+) -> bool:
+    """All content checks of a run record (not the duplicate check); returns whether it is stale."""
+    if record.kind != "run":
+        raise UserError(f"{where}: only run records can be submitted (kind is {record.kind!r})")
+    config = check_config(record, raw, where)
+    stale = check_task_version(record, registry, where, stale_ok)
+    budget = check_budget(config, registry, where)
+    check_privacy(raw.get("privacy"), config, budget, where)
+    return stale
+
+
+def submit(
+    run_dir: Path, results_root: Path, registry: Registry, stale_ok: bool = False
+) -> Accepted:
+    run_dir = Path(run_dir)
+    if not (run_dir / "DONE").is_file():
+        raise UserError(
+            f"{run_dir}: not a finished run (no DONE marker); submit finished runs only"
+        )
+    record_file = run_dir / "record.json"
+    record, raw = load_record(record_file)
+    check_run_dir_config(run_dir, record)
+    stale = validate_record(record, raw, registry, str(record_file), stale_ok)
+    dest = record_path(results_root, record)
+    duplicate = find_duplicate(record, dest.parent)
+    if duplicate is not None:
+        raise UserError(f"{record_file}: a duplicate of {duplicate} (same record or same config)")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    # Only the record is stored; re-serialising keeps its id (the id is over canonical content).
+    dest.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
+    return Accepted(record, dest, stale)
