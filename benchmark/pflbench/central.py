@@ -1,0 +1,315 @@
+"""Central (seed-model) training: the paper's recipe (App. F) on a feature store.
+
+LARS (or adam/adamw/sgd where a task's recipe says so), lr constant after an optional linear
+warmup, multiplied by `step_decay_factor` every `step_decay_every` steps; gradient-norm clipping;
+SpecAugment from step 0; dynamic batches of up to `batch_seconds` of audio.
+
+Every random choice of step t (batch order of its epoch, SpecAugment masks, dropout, CAPE, layer
+drop) is seeded from (seed, t), so a run resumed from its last checkpoint continues exactly as the
+uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from torch import Tensor, nn
+
+from pflbench.checkpoint import load_checkpoint, load_model, save_checkpoint, save_model
+from pflbench.data.batching import collate, dynamic_batches
+from pflbench.data.features import spec_augment as apply_spec_augment
+from pflbench.model.transformer import CTCTransformer, build_model, ctc_loss
+from pflbench.spec.models import CentralRecipe, Recipe, SpecAugmentRecipe, Task
+from pflbench.spec.resolve import canonical_json
+
+# ----------------------------------------------------------------------------------------------
+# Optimizers
+
+
+class LARS(torch.optim.Optimizer):
+    """LARS (You et al., 2017) with momentum. For parameters in groups with `adapt=True` the step
+    is scaled per tensor by the trust ratio η·‖w‖/(‖g + λw‖); groups with `adapt=False` (norms and
+    biases) take plain momentum SGD steps without weight decay or trust ratio."""
+
+    def __init__(
+        self,
+        params,
+        lr: float,
+        momentum: float = 0.9,
+        weight_decay: float = 0.0,
+        trust_coefficient: float = 0.001,
+        eps: float = 1e-9,
+    ):
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            weight_decay=weight_decay,
+            adapt=True,
+            trust_coefficient=trust_coefficient,
+            eps=eps,
+        )
+        super().__init__(params, defaults)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                update = p.grad
+                if group["adapt"]:
+                    update = update + group["weight_decay"] * p
+                    w_norm, u_norm = p.norm(), update.norm()
+                    trust = torch.where(
+                        (w_norm > 0) & (u_norm > 0),
+                        group["trust_coefficient"] * w_norm / (u_norm + group["eps"]),
+                        torch.ones_like(w_norm),
+                    )
+                    update = update * trust
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = update.clone()
+                else:
+                    state["momentum_buffer"].mul_(group["momentum"]).add_(update)
+                p.add_(state["momentum_buffer"], alpha=-group["lr"])
+
+
+def make_central_optimizer(named_params, recipe: CentralRecipe) -> torch.optim.Optimizer:
+    """Weight matrices and conv kernels get weight decay (and LARS's trust ratio); norms and
+    biases (the 1-D tensors) do not."""
+    params = [p for _, p in named_params if p.requires_grad]
+    adapted = [p for p in params if p.ndim > 1]
+    plain = [p for p in params if p.ndim <= 1]
+    groups = [
+        {"params": adapted, "weight_decay": recipe.weight_decay},
+        {"params": plain, "weight_decay": 0.0, "adapt": False},
+    ]
+    if recipe.optimizer == "lars":
+        return LARS(groups, lr=recipe.lr)
+    for g in groups:
+        g.pop("adapt", None)
+    if recipe.optimizer == "adam":
+        return torch.optim.Adam(groups, lr=recipe.lr)
+    if recipe.optimizer == "adamw":
+        return torch.optim.AdamW(groups, lr=recipe.lr)
+    return torch.optim.SGD(groups, lr=recipe.lr, momentum=0.9)
+
+
+def learning_rate(recipe: CentralRecipe, step: int) -> float:
+    warm = min(1.0, (step + 1) / recipe.warmup_steps) if recipe.warmup_steps else 1.0
+    return recipe.lr * warm * recipe.step_decay_factor ** (step // recipe.step_decay_every)
+
+
+# ----------------------------------------------------------------------------------------------
+# Determinism and resumption
+
+
+def use_all_cpu_threads() -> None:
+    """One intra-op thread per CPU this process may run on (torch defaults to physical cores,
+    which undercounts in VMs and containers with CPU quotas set by affinity)."""
+    torch.set_num_threads(len(os.sched_getaffinity(0)))
+
+
+def derived_seed(*keys: object) -> int:
+    """A 63-bit seed from keys, e.g. (seed, "step", t): independent streams per key."""
+    digest = hashlib.sha256(repr(keys).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, Tensor]:
+    return {
+        f"optim.{idx}.{key}": torch.as_tensor(value)
+        for idx, state in opt.state_dict()["state"].items()
+        for key, value in state.items()
+    }
+
+
+def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, Tensor]) -> None:
+    state: dict[int, dict[str, Tensor]] = {}
+    for name, value in tensors.items():
+        if name.startswith("optim."):
+            _, idx, key = name.split(".", 2)
+            state.setdefault(int(idx), {})[key] = value
+    opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
+
+
+LAST = "central-last.safetensors"
+
+
+def epoch_batches(seconds: list[float], recipe: CentralRecipe, seed: int) -> Iterator[list[int]]:
+    """All batches of all epochs, in order; each epoch shuffled from (seed, epoch)."""
+    epoch = 0
+    while True:
+        gen = torch.Generator().manual_seed(derived_seed(seed, "epoch", epoch))
+        yield from dynamic_batches(seconds, recipe.batch_seconds, gen)
+        epoch += 1
+
+
+# ----------------------------------------------------------------------------------------------
+# Training
+
+
+def train_step(
+    model: CTCTransformer,
+    opt: torch.optim.Optimizer,
+    batch,
+    recipe: CentralRecipe,
+    augment: SpecAugmentRecipe,
+    generator: torch.Generator,
+) -> float:
+    feats = batch.feats
+    if augment.enabled:
+        feats = apply_spec_augment(
+            feats, batch.feat_lens, generator, **augment.model_dump(exclude={"enabled"})
+        )
+    log_probs, out_lens = model(feats, batch.feat_lens)
+    loss = ctc_loss(log_probs, out_lens, batch.targets, batch.target_lens)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+    opt.step()
+    return loss.item()
+
+
+def progress_bar(enabled: bool) -> Progress:
+    return Progress(
+        TextColumn("[bold]seed[/]"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[info]}"),
+        disable=not enabled,
+    )
+
+
+def train_central(
+    model: CTCTransformer,
+    store,
+    recipe: CentralRecipe,
+    spec_augment: SpecAugmentRecipe,
+    *,
+    device,
+    seed: int,
+    progress: bool = True,
+    resume_dir: Path | None = None,
+) -> dict:
+    """Train `model` in place for recipe.steps steps; returns stats. With `resume_dir`, the state
+    is checkpointed there every ~10% of the steps and a previous partial run is continued."""
+    model.to(device).train()
+    opt = make_central_optimizer(model.named_parameters(), recipe)
+    start = 0
+    last = Path(resume_dir) / LAST if resume_dir else None
+    if last and last.is_file() and last.with_suffix(".json").is_file():
+        tensors, meta = load_checkpoint(last)
+        model.load_state_dict({k: v for k, v in tensors.items() if not k.startswith("optim.")})
+        load_optimizer_tensors(opt, tensors)
+        start = int(meta["step"])
+    utterances = list(store)  # the seed corpus is held in memory for the run
+    batches = epoch_batches([u.seconds for u in utterances], recipe, seed)
+    save_every = max(1, recipe.steps // 10)
+    audio, losses, t0 = 0.0, [], time.perf_counter()
+    with progress_bar(progress) as bar:
+        task = bar.add_task("train", total=recipe.steps, completed=start, info="")
+        for step, idx in enumerate(batches):
+            if step >= recipe.steps:
+                break
+            if step < start:
+                continue
+            torch.manual_seed(derived_seed(seed, "step", step))  # dropout, CAPE, layer drop
+            for group in opt.param_groups:
+                group["lr"] = learning_rate(recipe, step)
+            batch = collate([utterances[i] for i in idx]).to(device)
+            gen = torch.Generator().manual_seed(derived_seed(seed, "specaug", step))
+            losses.append(train_step(model, opt, batch, recipe, spec_augment, gen))
+            audio += sum(utterances[i].seconds for i in idx)
+            rate = audio / (time.perf_counter() - t0)
+            bar.update(task, advance=1, info=f"loss {losses[-1]:7.2f}  {rate:6.1f} s-audio/s")
+            if last and ((step + 1) % save_every == 0 or step + 1 == recipe.steps):
+                save_checkpoint(
+                    last,
+                    {**model.state_dict(), **optimizer_tensors(opt)},
+                    {"step": step + 1, "seed": seed},
+                )
+    wall = time.perf_counter() - t0
+    tail = losses[-10:]
+    return {
+        "steps": recipe.steps,
+        "steps_this_run": len(losses),
+        "seconds_of_audio": audio,
+        "wall_seconds": wall,
+        "audio_seconds_per_second": audio / wall if wall > 0 else None,
+        "final_loss": sum(tail) / len(tail) if tail else None,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# The task's seed model, cached
+
+
+def seed_key(task: Task, recipe: Recipe, seed: int, vocab: list[str], digest: str) -> str:
+    parts = {
+        "seed_data": task.seed_data.model_dump(mode="json") if task.seed_data else None,
+        "synthetic": task.synthetic.model_dump(mode="json") if task.synthetic else None,
+        "model": recipe.model.model_dump(mode="json"),
+        "central": recipe.central.model_dump(mode="json"),
+        "spec_augment": recipe.spec_augment.model_dump(mode="json"),
+        "seed": seed,
+        "vocab": vocab,
+        "data_digest": digest,
+    }
+    return hashlib.sha256(canonical_json(parts).encode()).hexdigest()
+
+
+def fresh_model(recipe: Recipe, vocab_size: int, seed: int) -> CTCTransformer:
+    torch.manual_seed(derived_seed(seed, "init"))
+    m = recipe.model
+    return build_model(m.preset, vocab_size, dropout=m.dropout, layer_drop=m.layer_drop)
+
+
+def seed_model(
+    task: Task, recipe: Recipe, data, *, seed: int, device, cache_dir: Path, progress: bool = True
+) -> tuple[CTCTransformer, Path | None]:
+    """The task's seed model and its checkpoint path: loaded from the cache when one was trained
+    for the same seed data, model, central recipe, SpecAugment, seed and vocabulary; else trained
+    and cached. Tasks without seed data get a freshly initialized (seeded) model and path None."""
+    model = fresh_model(recipe, data.tokenizer.size, seed)
+    if task.seed_data is None or data.seed_train is None:
+        return model.to(device), None
+    digest = data.seed_train.digest
+    key = seed_key(task, recipe, seed, data.tokenizer.vocab, digest)
+    folder = Path(cache_dir) / "seeds" / f"{task.name}-{key[:16]}"
+    path = folder / "seed.safetensors"
+    if path.is_file() and path.with_suffix(".json").is_file():
+        loaded, _ = load_model(path, device)
+        return loaded, path
+    stats = train_central(
+        model,
+        data.seed_train,
+        recipe.central,
+        recipe.spec_augment,
+        device=device,
+        seed=seed,
+        progress=progress,
+        resume_dir=folder,
+    )
+    meta = {
+        "kind": "seed",
+        "task": task.name,
+        "task_version": task.version,
+        "seed": seed,
+        "recipe": recipe.model_dump(mode="json"),
+        "vocab": data.tokenizer.vocab,
+        "seed_data_digest": digest,
+        "key": key,
+        "training": stats,
+    }
+    save_model(path, model, meta)
+    (folder / LAST).unlink(missing_ok=True)
+    (folder / LAST).with_suffix(".json").unlink(missing_ok=True)
+    return model.eval(), path

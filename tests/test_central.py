@@ -1,0 +1,200 @@
+"""Seed training: LARS, optimizer groups, lr schedule, exact resumption, the seed-model cache."""
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pflbench.central import (
+    LARS,
+    learning_rate,
+    make_central_optimizer,
+    seed_model,
+    train_central,
+)
+from pflbench.checkpoint import load_model
+from pflbench.data.corpora import Entry
+from pflbench.data.prepare import TaskData
+from pflbench.data.store import FeatureStore, build_store
+from pflbench.data.text import tokenizer_for
+from pflbench.evaluate import evaluate
+from pflbench.model import build_model
+from pflbench.spec.models import CentralRecipe, Recipe, SpecAugmentRecipe, Task
+
+
+def test_lars_scales_matrices_by_trust_ratio_and_leaves_biases_plain():
+    w = torch.nn.Parameter(torch.full((2, 2), 3.0))  # ‖w‖ = 6
+    b = torch.nn.Parameter(torch.zeros(2))
+    w.grad, b.grad = torch.full((2, 2), 0.5), torch.ones(2)  # ‖g_w‖ = 1
+    opt = LARS([{"params": [w]}, {"params": [b], "adapt": False}], lr=0.5, trust_coefficient=0.01)
+    opt.step()
+    # w ← w − lr · (η‖w‖/‖g‖) · g = 3 − 0.5 · 0.06 · 0.5
+    torch.testing.assert_close(w.data, torch.full((2, 2), 3 - 0.5 * 0.06 * 0.5))
+    torch.testing.assert_close(b.data, torch.full((2,), -0.5))
+
+
+def test_central_optimizer_excludes_norms_and_biases_from_weight_decay():
+    model = build_model("tiny", vocab_size=30)
+    for name in ("lars", "adam", "adamw", "sgd"):
+        opt = make_central_optimizer(
+            model.named_parameters(), CentralRecipe(optimizer=name, weight_decay=0.1)
+        )
+        decayed, plain = opt.param_groups
+        assert all(p.ndim > 1 for p in decayed["params"]) and decayed["weight_decay"] == 0.1
+        assert all(p.ndim == 1 for p in plain["params"]) and plain["weight_decay"] == 0.0
+        assert len(decayed["params"]) + len(plain["params"]) == len(list(model.parameters()))
+    assert isinstance(make_central_optimizer(model.named_parameters(), CentralRecipe()), LARS)
+
+
+def test_step_decay_and_warmup():
+    r = CentralRecipe(lr=0.5, step_decay_every=100, step_decay_factor=0.5)
+    assert [learning_rate(r, t) for t in (0, 99, 100, 250)] == [0.5, 0.5, 0.25, 0.125]
+    warm = CentralRecipe(lr=1.0, warmup_steps=4)
+    assert [learning_rate(warm, t) for t in (0, 1, 3, 10)] == [0.25, 0.5, 1.0, 1.0]
+
+
+TEXTS = ["red fox", "we ran", "a mat", "sat on a mat", "fox ran", "we sat", "red", "on"]
+
+
+def tone_wave(text: str, rate: int = 16000) -> np.ndarray:
+    """'Speech' in which every character is a 60 ms chord whose pitches encode the character."""
+    tok = tokenizer_for("en")
+    t = np.arange(int(0.06 * rate)) / rate
+    chords = [
+        np.sin(2 * np.pi * (200 + 90 * i) * t) + np.sin(2 * np.pi * (3000 - 70 * i) * t)
+        for i in tok.encode(text)
+    ]
+    return (0.3 * np.concatenate(chords)).astype(np.float32)
+
+
+def tone_store(folder: Path, texts: list[str] = TEXTS, digest: str = "tones") -> FeatureStore:
+    """A real feature store (log-mel features, Arrow shards) of tone 'speech', 3 speakers."""
+    entries = [
+        Entry(f"u{i}", f"spk{i % 3}", "train", str(i), text, text, "librispeech")
+        for i, text in enumerate(texts)
+    ]
+
+    def read_audio(key: str) -> tuple[np.ndarray, int]:
+        return tone_wave(texts[int(key)]), 16000
+
+    return build_store(folder, entries, "en", digest, {}, read_audio=read_audio, workers=1)
+
+
+RECIPE = CentralRecipe(optimizer="adam", lr=3e-3, steps=4, batch_seconds=0.6)
+AUGMENT = SpecAugmentRecipe(time_masks=2, time_width=5)
+
+
+def test_resumed_training_equals_uninterrupted_training(tmp_path):
+    store = tone_store(tmp_path / "store")
+
+    def trained(steps_then: list[int], folder) -> dict:
+        torch.manual_seed(0)
+        model = build_model("tiny", vocab_size=tokenizer_for("en").size)
+        for steps in steps_then:
+            torch.manual_seed(1000 + steps)  # a resumed process starts with other RNG state
+            recipe = RECIPE.model_copy(update={"steps": steps})
+            stats = train_central(
+                model,
+                store,
+                recipe,
+                AUGMENT,
+                device="cpu",
+                seed=3,
+                progress=False,
+                resume_dir=folder,
+            )
+        return model.state_dict(), stats
+
+    straight, stats = trained([4], tmp_path / "a")
+    resumed, resumed_stats = trained([2, 4], tmp_path / "b")
+    assert stats["steps_this_run"] == 4 and resumed_stats["steps_this_run"] == 2
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    assert stats["final_loss"] > 0 and stats["seconds_of_audio"] > 0
+
+
+def test_seed_model_is_trained_once_then_reused(tmp_path):
+    task = Task.model_validate(
+        {
+            "name": "t",
+            "version": 1,
+            "language": "en",
+            "description": "",
+            "seed_data": {"corpus": "librispeech", "subsets": ["train-clean-100"]},
+            "federated_data": {"corpus": "commonvoice", "subsets": ["train"], "locale": "en"},
+            "eval_sets": [
+                {"name": "d", "corpus": "librispeech", "subset": "dev-clean", "role": "dev"}
+            ],
+        }
+    )
+    recipe = Recipe.model_validate({"model": {"preset": "tiny"}, "central": RECIPE.model_dump()})
+    data = TaskData(
+        tokenizer=tokenizer_for("en"),
+        seed_train=tone_store(tmp_path / "store"),
+        federated_train=None,
+        eval_sets={},
+        report={},
+    )
+    model, path = seed_model(
+        task, recipe, data, seed=1, device="cpu", cache_dir=tmp_path, progress=False
+    )
+    assert path.is_file() and path.with_suffix(".json").is_file()
+    assert [p.name for p in path.parent.iterdir() if "last" in p.name] == []
+    stamp = path.stat().st_mtime_ns
+    again, same_path = seed_model(
+        task, recipe, data, seed=1, device="cpu", cache_dir=tmp_path, progress=False
+    )
+    assert same_path == path and path.stat().st_mtime_ns == stamp
+    for (name, a), b in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    _, other = seed_model(
+        task, recipe, data, seed=2, device="cpu", cache_dir=tmp_path, progress=False
+    )
+    assert other != path
+    loaded, meta = load_model(path)
+    assert meta["kind"] == "seed" and meta["training"]["steps"] == 4 and meta["seed"] == 1
+
+
+def test_a_task_without_seed_data_gets_a_seeded_fresh_model(tmp_path):
+    task = Task.model_validate(
+        {
+            "name": "s",
+            "version": 1,
+            "language": "en",
+            "description": "",
+            "federated_data": {"corpus": "commonvoice", "subsets": ["train"], "locale": "en"},
+            "eval_sets": [
+                {"name": "d", "corpus": "librispeech", "subset": "dev-clean", "role": "dev"}
+            ],
+        }
+    )
+    data = TaskData(
+        tokenizer=tokenizer_for("en"),
+        seed_train=None,
+        federated_train=None,
+        eval_sets={},
+        report={},
+    )
+    recipe = Recipe.model_validate({"model": {"preset": "tiny"}})
+    a, path = seed_model(task, recipe, data, seed=5, device="cpu", cache_dir=tmp_path)
+    b, _ = seed_model(task, recipe, data, seed=5, device="cpu", cache_dir=tmp_path)
+    assert path is None
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters(), strict=True))
+
+
+def test_seed_training_overfits_tone_speech_to_zero_wer(tmp_path):
+    """End to end on a real feature store: batching, training, greedy decoding, WER."""
+    store = tone_store(tmp_path / "store")
+    tok = tokenizer_for("en")
+    torch.manual_seed(0)
+    model = build_model("tiny", vocab_size=tok.size)
+    before = evaluate(model, store, tok, device="cpu")
+    recipe = CentralRecipe(optimizer="adam", lr=3e-3, steps=150, batch_seconds=10.0)
+    stats = train_central(
+        model, store, recipe, SpecAugmentRecipe(enabled=False), device="cpu", seed=0, progress=False
+    )
+    after = evaluate(model, store, tok, device="cpu", batch_seconds=1.0)
+    assert before["wer"] > 0.5 and after["wer"] == 0.0 and after["cer"] == 0.0
+    assert after["per_speaker"] == {"spk0": 0.0, "spk1": 0.0, "spk2": 0.0}
+    assert (after["num_utterances"], after["num_words"]) == (8, sum(len(t.split()) for t in TEXTS))
+    assert stats["steps_this_run"] == 150 and stats["seconds_of_audio"] > 0
