@@ -1,13 +1,101 @@
-"""CLI: data. Not built yet: each command says so and exits non-zero."""
+"""CLI: data — synthesize corpora, prepare a task's feature stores, print their statistics."""
+
+from __future__ import annotations
+
+from pathlib import Path
 
 import typer
+from rich.table import Table
 
-from pflbench.errors import NotBuiltError
+from pflbench.cli.common import JsonOption, SpecsOption, console, extra_spec_dirs, print_json
+
+data_app = typer.Typer(help="Corpora, feature stores and their statistics.", no_args_is_help=True)
+
+DataRootOption = typer.Option(
+    None, "--data-root", help="Folder with the downloaded corpora (also PFLBENCH_DATA)."
+)
+
+
+def load_task(name: str, specs: list[Path] | None):
+    from pflbench.spec.registry import load_registry
+
+    return load_registry(extra_spec_dirs(specs)).task(name).spec
+
+
+@data_app.command("synth")
+def synth(
+    out: Path = typer.Option(..., "--out", help="Empty or new folder to write the corpora to."),
+    lang: str = typer.Option("en", "--lang", help="en, fr or de."),
+    size: str = typer.Option("small", "--size", help="tiny, small or base."),
+    seed: int = typer.Option(0, "--seed"),
+) -> None:
+    """Write an LS-like and a CV-like synthetic corpus (espeak-ng) in the real on-disk formats."""
+    from rich.progress import Progress
+
+    from pflbench.data.synth import SIZES, synthesize
+    from pflbench.data.text import EXTRA_LETTERS
+    from pflbench.errors import UserError
+
+    if lang not in EXTRA_LETTERS:
+        raise UserError(f"--lang: unsupported language {lang!r} (en, fr, de)")
+    if size not in SIZES:
+        raise UserError(f"--size: unknown size {size!r} ({', '.join(SIZES)})")
+    if out.exists() and any(out.iterdir()):
+        raise UserError(f"--out: {out} is not empty")
+    with Progress(console=console) as progress:
+        bar = progress.add_task(f"synthesizing {lang}-{size}", total=None)
+        synthesize(out, lang, size, seed,
+                   on_unit=lambda d, t: progress.update(bar, completed=d, total=t))  # fmt: skip
+    console.print(f"wrote {out}")
+
+
+@data_app.command("prepare")
+def prepare(
+    task: str = typer.Option(..., "--task", help="Task name."),
+    data_root: Path | None = DataRootOption,
+    specs: list[Path] | None = SpecsOption,
+) -> None:
+    """Build the feature store of every split the task uses (resumable)."""
+    from pflbench.data.prepare import prepare_task
+
+    data = prepare_task(load_task(task, specs), data_root)
+    print_stats_table(data.report)
+
+
+@data_app.command("stats")
+def stats(
+    task: str = typer.Option(..., "--task", help="Task name."),
+    data_root: Path | None = DataRootOption,
+    specs: list[Path] | None = SpecsOption,
+    as_json: bool = JsonOption,
+) -> None:
+    """Per split: hours, users, utterances, minutes per user, skipped items by reason."""
+    from pflbench.data.prepare import prepare_task
+
+    data = prepare_task(load_task(task, specs), data_root, progress=not as_json)
+    if as_json:
+        print_json(data.report)
+    else:
+        print_stats_table(data.report)
+
+
+def print_stats_table(report: dict) -> None:
+    table = Table(title="Data (paper Table 2)")
+    for col in ("split", "hours", "users", "utts", "min/user mean", "std", "min", "max", "skipped"):
+        table.add_column(col, justify="left" if col == "split" else "right")
+    for name, s in report.items():
+        m = s["minutes_per_user"]
+        table.add_row(
+            name, f"{s['hours']:.2f}", str(s["users"]), str(s["utterances"]), f"{m['mean']:.2f}",
+            f"{m['std']:.2f}", f"{m['min']:.2f}", f"{m['max']:.2f}",
+            str(sum(s["skipped"].get("counts", {}).values())),
+        )  # fmt: skip
+    console.print(table)
+    for name, s in report.items():
+        for reason, n in s["skipped"].get("counts", {}).items():
+            examples = ", ".join(s["skipped"]["examples"].get(reason, []))
+            console.print(f"  {name}: skipped {n} × {reason} (e.g. {examples})", highlight=False)
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("data", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _data() -> None:
-        """(not built yet)"""
-        raise NotBuiltError("'pflbench data' is not built yet")
-
+    app.add_typer(data_app, name="data")

@@ -1,0 +1,198 @@
+"""Corpus adapters: LibriSpeech trees and Common Voice release folders -> one manifest schema.
+
+A data root may hold (exactly as downloaded, nothing renamed):
+  LibriSpeech/<subset>/<speaker>/<chapter>/*.flac + <speaker>-<chapter>.trans.txt (+ SPEAKERS.TXT),
+      or the root may be the LibriSpeech folder itself;
+  cv-corpus-*/<locale>/{train,dev,test,validated}.tsv + clips/, or the root may be one release
+      folder (<locale>/...) or one locale folder; with several cv-corpus-* releases holding the
+      locale, the error lists them and asks to point --data-root at one;
+  Hugging Face datasets (see hf.py).
+Text problems (empty or untokenizable transcripts, malformed rows) and missing audio files are
+skipped here and counted by reason; audio that cannot be decoded is counted when features are made.
+"""
+
+from __future__ import annotations
+
+import csv
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pflbench.data.text import normalize, tokenizer_for
+from pflbench.errors import UserError
+
+CV_REQUIRED_COLUMNS = ("client_id", "path", "sentence")
+MAX_EXAMPLES = 5
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One manifest row. `audio` is a file path, or `hf:<key>#<row>` for a Hugging Face row."""
+
+    utt_id: str
+    user_id: str
+    split: str
+    audio: str
+    raw_text: str
+    text: str  # normalized
+    corpus: str
+
+
+@dataclass
+class Skips:
+    """Skipped items: count per reason and a few example ids, so nothing is dropped silently."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: dict[str, list[str]] = field(default_factory=dict)
+
+    def add(self, reason: str, item_id: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        examples = self.examples.setdefault(reason, [])
+        if len(examples) < MAX_EXAMPLES:
+            examples.append(item_id)
+
+    def merge(self, other: Skips) -> None:
+        for reason, n in other.counts.items():
+            self.counts[reason] = self.counts.get(reason, 0) + n
+            room = MAX_EXAMPLES - len(self.examples.setdefault(reason, []))
+            self.examples[reason] += other.examples.get(reason, [])[: max(room, 0)]
+
+    def to_dict(self) -> dict:
+        return {"counts": dict(sorted(self.counts.items())), "examples": self.examples}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Skips:
+        return cls(
+            dict(d.get("counts", {})), {k: list(v) for k, v in d.get("examples", {}).items()}
+        )
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def make_entry(
+    utt_id: str, user_id: str, split: str, audio: str, raw: str, corpus: str, language: str,
+    skips: Skips,
+) -> Entry | None:  # fmt: skip
+    """The entry, or None (counted in `skips`) when the transcript has nothing to learn from."""
+    if not raw.strip():
+        skips.add("empty_transcript", utt_id)
+        return None
+    text = normalize(raw, language)
+    if not text:
+        skips.add("nothing_left_after_normalization", utt_id)
+        return None
+    if tokenizer_for(language).unknown_characters(text):
+        skips.add("characters_outside_token_set", utt_id)
+        return None
+    return Entry(utt_id, user_id, split, audio, raw, text, corpus)
+
+
+# ----------------------------------------------------------------------------------------------
+# LibriSpeech
+
+
+def librispeech_subset_dir(root: Path, subset: str) -> Path | None:
+    for candidate in (root / "LibriSpeech" / subset, root / subset):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def librispeech_looked_for(root: Path, subset: str) -> list[str]:
+    return [str(root / "LibriSpeech" / subset), str(root / subset)]
+
+
+_LS_LINE = re.compile(r"^(\d+-\d+-\d+)(?:\s+(.*))?$")
+
+
+def librispeech_manifest(subset_dir: Path, subset: str, language: str, skips: Skips) -> list[Entry]:
+    """User = speaker id (not speaker-chapter)."""
+    entries, described = [], set()
+    for trans in sorted(subset_dir.glob("*/*/*.trans.txt")):
+        for n, line in enumerate(trans.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            match = _LS_LINE.match(line.strip())
+            if not match:
+                skips.add("malformed_transcript_line", f"{trans.name}:{n}")
+                continue
+            utt_id, raw = match.group(1), match.group(2) or ""
+            audio = trans.parent / f"{utt_id}.flac"
+            described.add(audio.name)
+            if not audio.is_file():
+                skips.add("missing_audio_file", utt_id)
+                continue
+            entry = make_entry(utt_id, utt_id.split("-")[0], subset, str(audio), raw,
+                               "librispeech", language, skips)  # fmt: skip
+            if entry:
+                entries.append(entry)
+    for flac in sorted(subset_dir.glob("*/*/*.flac")):
+        if flac.name not in described:
+            skips.add("audio_without_transcript", flac.stem)
+    return entries
+
+
+# ----------------------------------------------------------------------------------------------
+# Common Voice
+
+
+def commonvoice_locale_dirs(root: Path, locale: str) -> list[Path]:
+    """Folders holding <split>.tsv files for `locale`, most specific interpretation first."""
+    if (root / "clips").is_dir() and root.name == locale:
+        return [root]
+    if (root / locale).is_dir():
+        return [root / locale]
+    return sorted(p / locale for p in root.glob("cv-corpus-*") if (p / locale).is_dir())
+
+
+def commonvoice_tsv(root: Path, locale: str, split: str) -> Path | None:
+    dirs = commonvoice_locale_dirs(root, locale)
+    if len(dirs) > 1:
+        names = ", ".join(str(d.parent) for d in dirs)
+        raise UserError(
+            f"several Common Voice releases for locale {locale!r} under {root}: {names}; "
+            "point --data-root (or PFLBENCH_DATA) at the one to use"
+        )
+    if dirs and (dirs[0] / f"{split}.tsv").is_file():
+        return dirs[0] / f"{split}.tsv"
+    return None
+
+
+def commonvoice_looked_for(root: Path, locale: str, split: str) -> list[str]:
+    return [
+        str(root / "cv-corpus-*" / locale / f"{split}.tsv"),
+        str(root / locale / f"{split}.tsv"),
+    ]
+
+
+def commonvoice_manifest(tsv: Path, split: str, language: str, skips: Skips) -> list[Entry]:
+    """User = client_id. Columns by header name; quoting off (real CV has unbalanced quotes)."""
+    clips = tsv.parent / "clips"
+    with tsv.open(encoding="utf-8", newline="") as f:
+        rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
+        header = next(rows, None) or []
+        missing = [c for c in CV_REQUIRED_COLUMNS if c not in header]
+        if missing:
+            raise UserError(f"{tsv}: header lacks column(s) {', '.join(missing)} (got {header})")
+        col = {name: header.index(name) for name in CV_REQUIRED_COLUMNS}
+        entries, seen = [], set()
+        for n, row in enumerate(rows, 2):
+            if len(row) != len(header):
+                skips.add("malformed_tsv_row", f"{tsv.name}:{n}")
+                continue
+            path = row[col["path"]]
+            utt_id = Path(path).stem
+            if utt_id in seen:
+                skips.add("duplicate_utterance", utt_id)
+                continue
+            seen.add(utt_id)
+            if not (clips / path).is_file():
+                skips.add("missing_audio_file", utt_id)
+                continue
+            entry = make_entry(utt_id, row[col["client_id"]], split, str(clips / path),
+                               row[col["sentence"]], "commonvoice", language, skips)  # fmt: skip
+            if entry:
+                entries.append(entry)
+    return entries

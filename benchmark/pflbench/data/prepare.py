@@ -1,0 +1,231 @@
+"""From a Task to its data: find the corpora, build manifests and user splits, fill the stores."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pflbench.data.corpora import (
+    Entry,
+    Skips,
+    commonvoice_looked_for,
+    commonvoice_manifest,
+    commonvoice_tsv,
+    librispeech_looked_for,
+    librispeech_manifest,
+    librispeech_subset_dir,
+)
+from pflbench.data.features import FEATURE_CONFIG
+from pflbench.data.splits import apply_user_split, iid_reassign, users_digest
+from pflbench.data.store import FeatureStore, build_store
+from pflbench.data.synth import synthesize_cached
+from pflbench.data.text import NORMALIZER_VERSION, Tokenizer, tokenizer_for
+from pflbench.errors import UserError
+from pflbench.spec.models import DataSource, EvalSet, Task
+
+MANIFEST_VERSION = 1
+
+
+@dataclass
+class TaskData:
+    tokenizer: Tokenizer
+    seed_train: FeatureStore | None
+    federated_train: FeatureStore
+    eval_sets: dict[str, FeatureStore]
+    report: dict  # per split: skipped counts by reason + example ids, user digest, sizes
+
+
+def cache_dir_default() -> Path:
+    return Path(os.environ.get("PFLBENCH_CACHE") or Path.home() / ".cache" / "pflbench")
+
+
+def synth_root(task: Task, cache_dir: Path | None = None) -> Path:
+    s = task.synthetic
+    return (cache_dir or cache_dir_default()) / "synth" / f"{s.language}-{s.size}-seed{s.seed}"
+
+
+def data_root_for(
+    task: Task,
+    data_root: Path | None,
+    cache_dir: Path | None = None,
+    on_unit: Callable[[int, int], None] | None = None,
+) -> Path:
+    """Where the task's corpora are: for a synth-* task the cached synthetic corpora (generated on
+    first use), else --data-root or PFLBENCH_DATA."""
+    if task.synthetic is not None:
+        s = task.synthetic
+        root = synth_root(task, cache_dir)
+        return synthesize_cached(root, s.language, s.size, s.seed, on_unit=on_unit)
+    root = data_root or (
+        Path(os.environ["PFLBENCH_DATA"]) if os.environ.get("PFLBENCH_DATA") else None
+    )
+    if root is None:
+        raise UserError(
+            f"task {task.name!r} reads real corpora: pass --data-root DIR or set PFLBENCH_DATA to a "
+            "folder holding LibriSpeech/<subset>/... and/or cv-corpus-*/<locale>/<split>.tsv + "
+            "clips/ (or Hugging Face datasets); the synth-* tasks need no download"
+        )
+    if not Path(root).is_dir():
+        raise UserError(f"data root {root} does not exist or is not a folder")
+    return Path(root)
+
+
+# ----------------------------------------------------------------------------------------------
+# Manifests
+
+
+def subset_manifest(
+    root: Path, corpus: str, subset: str, locale: str | None, language: str, skips: Skips
+) -> list[Entry]:
+    if corpus == "librispeech":
+        folder = librispeech_subset_dir(root, subset)
+        if folder is None:
+            raise UserError(
+                f"LibriSpeech subset {subset!r} not found; looked for "
+                + ", ".join(librispeech_looked_for(root, subset))
+            )
+        return librispeech_manifest(folder, subset, language, skips)
+    tsv = commonvoice_tsv(root, locale or language, subset)
+    if tsv is None:
+        raise UserError(
+            f"Common Voice {locale} split {subset!r} not found; looked for "
+            + ", ".join(commonvoice_looked_for(root, locale or language, subset))
+        )
+    return commonvoice_manifest(tsv, subset, language, skips)
+
+
+def source_manifest(
+    root: Path, source: DataSource, language: str, skips: Skips
+) -> tuple[list[Entry], dict]:
+    entries = []
+    for subset in source.subsets:
+        entries += subset_manifest(root, source.corpus, subset, source.locale, language, skips)
+    info = {"users_before_split": len({e.user_id for e in entries})}
+    if source.user_split is not None:
+        us = source.user_split
+        entries = apply_user_split(entries, us.percent, us.part, us.seed)
+    info["users_digest"] = users_digest(e.user_id for e in entries)
+    if source.iid:
+        entries = iid_reassign(entries, source.user_split.seed if source.user_split else 0)
+    return entries, info
+
+
+def manifest_digest(entries: list[Entry], language: str) -> str:
+    """Hash of manifest + normalizer + tokenizer + feature config: the store's key."""
+    h = hashlib.sha256()
+    config = {
+        "manifest": MANIFEST_VERSION, "normalizer": NORMALIZER_VERSION, "features": FEATURE_CONFIG,
+        "vocab": tokenizer_for(language).vocab,
+    }  # fmt: skip
+    h.update(json.dumps(config, sort_keys=True).encode())
+    for e in sorted(entries, key=lambda e: e.utt_id):
+        h.update(f"{e.utt_id}\t{e.user_id}\t{e.audio}\t{e.text}\n".encode())
+    return h.hexdigest()
+
+
+def split_label(corpus: str, subsets: list[str], locale: str | None) -> str:
+    return "-".join([corpus, *([locale] if locale else []), "+".join(subsets)])
+
+
+# ----------------------------------------------------------------------------------------------
+# The task
+
+
+def prepare_split(
+    name: str,
+    label: str,
+    entries: list[Entry],
+    info: dict,
+    skips: Skips,
+    language: str,
+    cache_dir: Path,
+    progress,
+) -> FeatureStore:
+    digest = manifest_digest(entries, language)
+    folder = cache_dir / "features" / f"{label}-{digest[:16]}"
+    report = {**info, "utterances_in_manifest": len(entries), "skipped": skips.to_dict()}
+    if progress is None:
+        return build_store(folder, entries, language, digest, report)
+    bar = progress.add_task(f"features {name}", total=max(len(entries), 1))
+    store = build_store(
+        folder, entries, language, digest, report,
+        on_progress=lambda done, total: progress.update(bar, completed=done, total=max(total, 1)),
+    )  # fmt: skip
+    progress.update(bar, completed=max(len(entries), 1))
+    return store
+
+
+def prepare_task(
+    task: Task, data_root: Path | None = None, cache_dir: Path | None = None, progress: bool = True
+) -> TaskData:
+    """Builds (or reuses) the feature store of every split the task uses."""
+    cache_dir = Path(cache_dir or cache_dir_default())
+    bars = _progress() if progress else None
+    with bars or _nothing():
+        on_unit = None
+        if (
+            bars is not None
+            and task.synthetic is not None
+            and not synth_root(task, cache_dir).exists()
+        ):
+            synth_bar = bars.add_task("synthesizing corpora", total=None)
+            on_unit = lambda done, total: bars.update(synth_bar, completed=done, total=total)  # noqa: E731
+        root = data_root_for(task, data_root, cache_dir, on_unit=on_unit)
+        language = task.language
+        sources = {"seed": task.seed_data, "federated": task.federated_data}
+        stores: dict[str, FeatureStore] = {}
+        for name, source in sources.items():
+            if source is None:
+                continue
+            skips = Skips()
+            entries, info = source_manifest(root, source, language, skips)
+            if not entries:
+                raise UserError(f"task {task.name!r}: the {name} data has no usable utterances")
+            label = split_label(source.corpus, source.subsets, source.locale)
+            if source.user_split:
+                us = source.user_split
+                label += f"-users{us.percent:g}{us.part}s{us.seed}" + ("-iid" if source.iid else "")
+            stores[name] = prepare_split(
+                name, label, entries, info, skips, language, cache_dir, bars
+            )
+        for ev in task.eval_sets:
+            stores[f"eval:{ev.name}"] = prepare_eval(ev, root, language, cache_dir, bars)
+    report = {name: store.stats() for name, store in stores.items()}
+    return TaskData(
+        tokenizer=tokenizer_for(language),
+        seed_train=stores.get("seed"),
+        federated_train=stores["federated"],
+        eval_sets={ev.name: stores[f"eval:{ev.name}"] for ev in task.eval_sets},
+        report=report,
+    )
+
+
+def prepare_eval(ev: EvalSet, root: Path, language: str, cache_dir: Path, bars) -> FeatureStore:
+    skips = Skips()
+    entries = subset_manifest(root, ev.corpus, ev.subset, ev.locale, language, skips)
+    if not entries:
+        raise UserError(f"eval set {ev.name!r} ({ev.corpus} {ev.subset}) has no usable utterances")
+    info = {"users_digest": users_digest(e.user_id for e in entries)}
+    label = split_label(ev.corpus, [ev.subset], ev.locale)
+    return prepare_split(ev.name, label, entries, info, skips, language, cache_dir, bars)
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    return Progress(
+        "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), transient=False,
+    )  # fmt: skip
+
+
+class _nothing:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None

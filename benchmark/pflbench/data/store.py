@@ -1,0 +1,290 @@
+"""The feature store: features computed once, kept on disk as Arrow IPC shards, grouped by user.
+
+Layout of a store folder (its name ends in the digest of manifest + normalizer + feature config):
+  shard-00000.arrow ...  rows sorted by (user, utterance); a user never straddles two shards, so
+                         one user's rows are one contiguous slice of one memory-mapped file. Each
+                         shard's schema metadata holds the items it skipped (unreadable audio, ...).
+  index.json             per-user (shard, offset, count, seconds), stats and skip report.
+Shards and the index are written to a temp name and renamed into place, so an interrupted build
+resumes from the finished shards and never leaves a partial shard that reads as complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import soundfile as sf
+import torch
+
+from pflbench.data.corpora import Entry, Skips
+from pflbench.data.features import N_MELS, log_mel, resample
+from pflbench.data.text import tokenizer_for
+
+INDEX = "index.json"
+SHARD_UTTERANCES = 2000  # target rows per shard (a user is never split)
+TRUNCATION_TOLERANCE = 0.98  # MP3 frame counts are estimates; FLAC's are exact
+SCHEMA = pa.schema(
+    [
+        ("utt_id", pa.string()),
+        ("user_id", pa.string()),
+        ("text", pa.string()),
+        ("seconds", pa.float32()),
+        ("n_frames", pa.int32()),
+        ("feats", pa.large_binary()),  # float16 [n_frames, 80], row-major
+        ("tokens", pa.binary()),  # int16
+    ]
+)
+
+
+@dataclass
+class Utterance:
+    utt_id: str
+    user_id: str
+    feats: torch.Tensor  # [T, 80] float32
+    tokens: torch.Tensor  # [L] int64
+    text: str
+    seconds: float
+
+
+# ----------------------------------------------------------------------------------------------
+# Audio decoding (file path or Hugging Face row)
+
+AudioReader = Callable[[str], tuple[np.ndarray, int]]
+
+
+class AudioError(Exception):
+    """Audio that cannot be used; `reason` is the skip reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+def read_audio_file(path: str) -> tuple[np.ndarray, int]:
+    """Mono float32 samples and the sample rate; truncated or corrupt files raise AudioError."""
+    try:
+        with sf.SoundFile(path) as f:
+            declared, rate = f.frames, f.samplerate
+            data = f.read(dtype="float32", always_2d=True)
+    except (sf.LibsndfileError, RuntimeError, EOFError):
+        raise AudioError("unreadable_audio") from None
+    if declared > 0 and len(data) < TRUNCATION_TOLERANCE * declared:
+        raise AudioError("truncated_audio")
+    return data.mean(axis=1), rate
+
+
+def features_of(wave: np.ndarray, rate: int) -> tuple[np.ndarray, float]:
+    """float16 [T, 80] features and the duration in seconds."""
+    if len(wave) == 0:
+        raise AudioError("zero_length_audio")
+    audio = torch.from_numpy(resample(wave, rate))
+    return log_mel(audio).to(torch.float16).numpy(), len(wave) / rate
+
+
+# ----------------------------------------------------------------------------------------------
+# Building
+
+
+def plan_shards(entries: Sequence[Entry]) -> list[list[Entry]]:
+    """Entries sorted by (user, utterance) and cut into shards at user boundaries."""
+    shards: list[list[Entry]] = []
+    current: list[Entry] = []
+    ordered = sorted(entries, key=lambda e: (e.user_id, e.utt_id))
+    for i, entry in enumerate(ordered):
+        new_user = i == 0 or entry.user_id != ordered[i - 1].user_id
+        if new_user and len(current) >= SHARD_UTTERANCES:
+            shards.append(current)
+            current = []
+        current.append(entry)
+    if current:
+        shards.append(current)
+    return shards
+
+
+def shard_path(folder: Path, index: int) -> Path:
+    return folder / f"shard-{index:05d}.arrow"
+
+
+def write_shard(
+    path: Path, entries: Sequence[Entry], language: str, read_audio: AudioReader
+) -> Skips:
+    """Computes and writes one shard atomically; returns what it skipped."""
+    tokenizer = tokenizer_for(language)
+    skips, columns = Skips(), {name: [] for name in SCHEMA.names}
+    for e in entries:
+        try:
+            feats, seconds = features_of(*read_audio(e.audio))
+        except AudioError as err:
+            skips.add(err.reason, e.utt_id)
+            continue
+        row = {
+            "utt_id": e.utt_id, "user_id": e.user_id, "text": e.text, "seconds": seconds,
+            "n_frames": len(feats), "feats": feats.tobytes(),
+            "tokens": np.asarray(tokenizer.encode(e.text), np.int16).tobytes(),
+        }  # fmt: skip
+        for name, value in row.items():
+            columns[name].append(value)
+    schema = SCHEMA.with_metadata({"skips": json.dumps(skips.to_dict())})
+    table = pa.table(columns, schema=schema)
+    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
+    with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
+        writer.write_table(table)
+    os.replace(tmp, path)
+    return skips
+
+
+def _write_shard_job(args: tuple[Path, list[Entry], str, AudioReader]) -> int:
+    torch.set_num_threads(1)
+    path, entries, language, read_audio = args
+    write_shard(path, entries, language, read_audio)
+    return len(entries)
+
+
+def build_store(
+    folder: Path,
+    entries: Sequence[Entry],
+    language: str,
+    digest: str,
+    report: dict,
+    read_audio: AudioReader = read_audio_file,
+    workers: int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+) -> FeatureStore:
+    """Builds (or finishes building) the store in `folder`; `report` (manifest-level skips etc.)
+    is kept in the index. `on_progress(done, total)` counts utterances."""
+    if (folder / INDEX).exists():
+        return FeatureStore(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    shards = plan_shards(entries)
+    todo = [(shard_path(folder, i), s, language, read_audio) for i, s in enumerate(shards)]
+    done = sum(len(s) for i, s in enumerate(shards) if shard_path(folder, i).exists())
+    todo = [job for job in todo if not job[0].exists()]  # resume: finished shards are kept
+    total = len(entries)
+    if on_progress:
+        on_progress(done, total)
+    workers = max(1, min(workers or os.cpu_count() or 1, len(todo)))
+    if workers == 1:
+        results = map(_write_shard_job, todo)
+    else:
+        import multiprocessing as mp
+
+        pool = mp.get_context("fork").Pool(workers)
+        results = pool.imap_unordered(_write_shard_job, todo)
+    for n in results:
+        done += n
+        if on_progress:
+            on_progress(done, total)
+    if workers > 1:
+        pool.close()
+        pool.join()
+    write_index(folder, len(shards), digest, report)
+    return FeatureStore(folder)
+
+
+def write_index(folder: Path, n_shards: int, digest: str, report: dict) -> None:
+    users: dict[str, list] = {}
+    skips = Skips.from_dict(report.get("skipped", {}))
+    for i in range(n_shards):
+        with pa.memory_map(str(shard_path(folder, i))) as source:
+            reader = pa.ipc.open_file(source)
+            skips.merge(Skips.from_dict(json.loads(reader.schema.metadata[b"skips"])))
+            table = reader.read_all().select(["user_id", "seconds"])
+        user_ids = table.column("user_id").to_pylist()
+        seconds = table.column("seconds").to_numpy()
+        # Rows are user-contiguous: find each user's (offset, count) from the boundaries.
+        starts = [j for j in range(len(user_ids)) if j == 0 or user_ids[j] != user_ids[j - 1]]
+        for a, b in zip(starts, [*starts[1:], len(user_ids)], strict=True):
+            users[user_ids[a]] = [i, a, b - a, float(seconds[a:b].sum())]
+    index = {
+        "digest": digest,
+        "n_shards": n_shards,
+        "users": dict(sorted(users.items())),
+        "report": {**report, "skipped": skips.to_dict()},
+    }
+    tmp = folder / f"{INDEX}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(index))
+    os.replace(tmp, folder / INDEX)
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading
+
+
+class FeatureStore:
+    """A finished store: users, per-user sizes, and memory-mapped per-user reads."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+        index_file = self.path / INDEX
+        if not index_file.exists():
+            raise FileNotFoundError(f"{self.path} is not a finished feature store (no {INDEX})")
+        index = json.loads(index_file.read_text())
+        self.digest: str = index["digest"]
+        self.report: dict = index["report"]
+        self._users: dict[str, list] = index["users"]
+        self._tables: dict[int, pa.Table] = {}
+        self.total_seconds = float(sum(u[3] for u in self._users.values()))
+        self._len = sum(u[2] for u in self._users.values())
+
+    def _table(self, shard: int) -> pa.Table:
+        if shard not in self._tables:  # zero-copy: the table's buffers point into the mapping
+            source = pa.memory_map(str(shard_path(self.path, shard)))
+            self._tables[shard] = pa.ipc.open_file(source).read_all()
+        return self._tables[shard]
+
+    def users(self) -> list[str]:
+        return list(self._users)
+
+    def user_seconds(self, user: str) -> float:
+        return self._users[user][3]
+
+    def user_num_utterances(self, user: str) -> int:
+        return self._users[user][2]
+
+    def load_user(self, user: str) -> list[Utterance]:
+        shard, offset, count, _ = self._users[user]
+        return rows_to_utterances(self._table(shard).slice(offset, count))
+
+    def __iter__(self) -> Iterator[Utterance]:
+        for user in self._users:
+            yield from self.load_user(user)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def stats(self) -> dict:
+        minutes = (
+            np.array([u[3] / 60 for u in self._users.values()]) if self._users else np.zeros(1)
+        )
+        return {
+            "hours": self.total_seconds / 3600,
+            "users": len(self._users),
+            "utterances": len(self),
+            "minutes_per_user": {
+                "mean": float(minutes.mean()),
+                "std": float(minutes.std()),
+                "min": float(minutes.min()),
+                "max": float(minutes.max()),
+            },  # fmt: skip
+            "skipped": self.report.get("skipped", {}),
+        }
+
+
+def rows_to_utterances(rows: pa.Table) -> list[Utterance]:
+    cols = {name: rows.column(name) for name in ("utt_id", "user_id", "text", "seconds")}
+    utt_ids, user_ids = cols["utt_id"].to_pylist(), cols["user_id"].to_pylist()
+    texts, seconds = cols["text"].to_pylist(), cols["seconds"].to_pylist()
+    feats, tokens = rows.column("feats"), rows.column("tokens")
+    out = []
+    for i in range(rows.num_rows):
+        f = np.frombuffer(feats[i].as_buffer(), np.float16).reshape(-1, N_MELS)
+        t = np.frombuffer(tokens[i].as_buffer(), np.int16)
+        out.append(Utterance(utt_ids[i], user_ids[i], torch.from_numpy(f.astype(np.float32)),
+                             torch.from_numpy(t.astype(np.int64)), texts[i], seconds[i]))  # fmt: skip
+    return out
