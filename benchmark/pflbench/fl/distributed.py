@@ -9,12 +9,15 @@ from __future__ import annotations
 import heapq
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 BUCKET_BYTES = 64 * 2**20  # large enough to amortize latency, small enough to bound the copy
+# Rank 0 may prepare data and train the seed model while the others wait at a barrier.
+INIT_TIMEOUT = timedelta(hours=12)
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,14 @@ def init_from_env(device: str) -> DistContext:
     if not dist.is_initialized():
         if device.startswith("cuda"):
             torch.cuda.set_device(local_rank)
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        dist.init_process_group(backend, timeout=INIT_TIMEOUT)
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank)
+
+
+def barrier(ctx: DistContext) -> None:
+    if ctx.world_size > 1:
+        dist.barrier()
 
 
 def shutdown() -> None:

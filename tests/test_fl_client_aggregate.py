@@ -1,0 +1,149 @@
+"""The client update and the step aggregation, each alone, on random utterances."""
+
+import math
+
+import pytest
+import torch
+
+from pflbench.fl.aggregate import StepAggregator
+from pflbench.fl.bench import RandomUserStore
+from pflbench.fl.client import ClientTrainer, limit_utterances, local_batches, variational_noise_std
+from pflbench.fl.distributed import DistContext
+from pflbench.model.transformer import build_model
+from pflbench.spec.models import ClientRecipe, PrivacyRecipe, SpecAugmentRecipe
+
+STORE = RandomUserStore(num_users=3, utterances_per_user=6)
+
+
+def _trainer(**client) -> tuple[torch.nn.Module, ClientTrainer]:
+    torch.manual_seed(0)
+    model = build_model("tiny", 30)
+    recipe = ClientRecipe(**{"local_steps": 2, "batch_seconds": 10.0, **client})
+    names = [n for n, _ in model.named_parameters()]
+    trainer = ClientTrainer(model, names, recipe, SpecAugmentRecipe(), seed=1, device="cpu")
+    return model, trainer
+
+
+def _globals(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [p.detach() for p in model.parameters()]
+
+
+def test_delta_is_global_minus_local_and_keyed():
+    model, trainer = _trainer()
+    before = [p.clone() for p in _globals(model)]
+    data = STORE.load_user("user00000")
+    first = {k: v.clone() for k, v in trainer.train(_globals(model), data, 3, "u0").update.items()}
+    local = [p.detach().clone() for p in trainer.params]
+    for g, d, theta in zip(before, first.values(), local, strict=True):
+        assert torch.equal(d, g - theta)
+    assert all(torch.equal(a, b) for a, b in zip(before, _globals(model), strict=True))
+    assert any(d.abs().sum() > 0 for d in first.values())
+    # Another user in between must not leak into a repeat of the first (buffers are reused).
+    trainer.train(_globals(model), STORE.load_user("user00001"), 3, "u1")
+    again = trainer.train(_globals(model), data, 3, "u0")
+    assert all(torch.equal(first[k], again.update[k]) for k in first)
+    other_step = trainer.train(_globals(model), data, 4, "u0")
+    assert not all(torch.equal(first[k], other_step.update[k]) for k in first)
+
+
+def test_local_steps_and_epochs_schedule():
+    gen = torch.Generator().manual_seed(0)
+    seconds = [5.0] * 6  # 10 s batches: 3 per epoch
+    assert len(local_batches(seconds, ClientRecipe(local_steps=7, batch_seconds=10.0), gen)) == 7
+    recipe = ClientRecipe(local_steps=None, local_epochs=2, batch_seconds=10.0)
+    batches = local_batches(seconds, recipe, gen)
+    assert len(batches) == 6 and sorted(i for b in batches for i in b) == sorted(2 * list(range(6)))
+    assert local_batches([], ClientRecipe(), gen) == []
+
+
+def test_local_gradient_clipping_bounds_each_step():
+    # One local step of lr 1 with C_loc = 1e-3: ‖Δ‖ ≤ 1e-3.
+    model, trainer = _trainer(local_steps=1, lr=1.0, grad_clip=1e-3)
+    result = trainer.train(_globals(model), STORE.load_user("user00000"), 0, "u")
+    norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(result.update.values()))))
+    assert 0.9e-3 < norm <= 1e-3 * (1 + 1e-5)
+
+
+def test_fedprox_gradient_is_mu_times_distance():
+    model, trainer = _trainer(fedprox_mu=0.5, lr=0.1, grad_clip=1e6)
+    global_params = [torch.zeros_like(p) for p in trainer.params]
+    with torch.no_grad():
+        for i, p in enumerate(trainer.params):
+            p.fill_(float(i % 3) - 1.0)
+            p.grad.zero_()
+    expected = [p.detach() - 0.1 * 0.5 * (p.detach() - 0.0) for p in trainer.params]
+    trainer._sgd_step(global_params)
+    for p, e in zip(trainer.params, expected, strict=True):
+        torch.testing.assert_close(p.detach(), e)
+
+
+def test_data_limit_and_variational_noise():
+    data = STORE.load_user("user00002")
+    gen = torch.Generator().manual_seed(0)
+    kept = limit_utterances(data, 4, gen)
+    assert len(kept) == 4 and {u.utt_id for u in kept} <= {u.utt_id for u in data}
+    assert limit_utterances(data, None, gen) is data
+    recipe = ClientRecipe(variational_noise={"std": 0.03, "ramp_steps": 10})
+    assert variational_noise_std(recipe, 0) == 0 and variational_noise_std(recipe, 5) == 0.015
+    assert variational_noise_std(recipe, 50) == 0.03
+    model, plain = _trainer()
+    _, noisy = _trainer(variational_noise={"std": 0.01})
+    a = plain.train(_globals(model), data, 0, "u").update
+    b = noisy.train(_globals(model), data, 0, "u").update
+    assert not all(torch.equal(a[k], b[k]) for k in a)
+    # The noise perturbs the gradients only: the step sizes stay bounded by lr·C_loc·steps.
+    bound = 0.2 * 1.0 * 2 * (1 + 1e-5)
+    assert float(torch.stack(torch._foreach_norm(list(b.values()))).norm()) <= bound
+
+
+# ---------------------------------------------------------------------------------------------
+# Aggregation
+
+
+def _aggregator(privacy: PrivacyRecipe, sigma_dp: float = 0.0, step: int = 0, like=None):
+    like = like or {"a": torch.zeros(3), "b": torch.zeros(2)}
+    return StepAggregator(like, privacy, sigma_dp, denominator=2.0, update_bound=10.0,
+                          seed=0, step=step, device="cpu")  # fmt: skip
+
+
+def test_aggregate_clips_sums_and_averages():
+    agg = _aggregator(PrivacyRecipe(clipping="global", clip_bound=1.0))
+    agg.add({"a": torch.tensor([3.0, 0, 0]), "b": torch.tensor([4.0, 0])}, "u1", 1.0, 2, 10)
+    agg.add({"a": torch.tensor([0.0, 0.5, 0]), "b": torch.tensor([0.0, 0])}, "u2", 3.0, 2, 10)
+    grads, stats = agg.finish(DistContext())
+    # u1 (norm 5) is clipped to norm 1: [0.6, 0, 0], [0.8, 0]; u2 is inside the bound.
+    torch.testing.assert_close(grads[0], torch.tensor([0.3, 0.25, 0.0]))
+    torch.testing.assert_close(grads[1], torch.tensor([0.4, 0.0]))
+    assert stats["clients"] == 2 and stats["loss"] == 2.0 and stats["local_steps"] == 4
+    diag = stats["diagnostics"]
+    assert diag["clipped_fraction"] == 0.5 and diag["private"] is False
+    assert diag["layer_norm_mean"]["a"] == pytest.approx(1.75)
+    assert diag["layer_norm_std"]["b"] == pytest.approx(2.0)
+
+
+def test_nonfinite_update_is_zeroed_and_counted():
+    agg = _aggregator(PrivacyRecipe(clipping="perlayer", clip_bound=1.0))
+    agg.add({"a": torch.tensor([float("nan"), 0, 0]), "b": torch.ones(2)}, "bad", 9.0, 2, 10)
+    agg.add({"a": torch.full((3,), 0.1), "b": torch.zeros(2)}, "good", 1.0, 2, 10)
+    grads, stats = agg.finish(DistContext())
+    assert stats["nonfinite_updates"] == 1 and stats["loss"] == 1.0
+    assert all(torch.isfinite(g).all() for g in grads)
+    torch.testing.assert_close(grads[0], torch.full((3,), 0.05))
+
+
+@pytest.mark.parametrize("placement", ["server", "client"])
+def test_noise_std_on_the_average_is_c_sigma(placement):
+    privacy = PrivacyRecipe(clipping="global", clip_bound=0.5, noise_placement=placement)
+    like = {"w": torch.zeros(20_000)}
+    agg = _aggregator(privacy, sigma_dp=0.1, like=like)
+    for user in ("u1", "u2"):
+        agg.add({"w": torch.zeros(20_000)}, user, 0.0, 1, 1)
+    grads, stats = agg.finish(DistContext())
+    assert grads[0].std().item() == pytest.approx(0.5 * 0.1, rel=0.03)
+    before = stats["diagnostics"]["update_norm_before_noise"]
+    assert before == (0.0 if placement == "server" else None)
+    again = _aggregator(privacy, sigma_dp=0.1, like=like)
+    for user in ("u2", "u1"):  # order does not matter: streams are keyed by user
+        again.add({"w": torch.zeros(20_000)}, user, 0.0, 1, 1)
+    assert torch.equal(again.finish(DistContext())[0][0], grads[0])
+    assert math.isfinite(stats["diagnostics"]["update_norm_after_noise"])
