@@ -136,6 +136,18 @@ def register(app: typer.Typer) -> None:
                 stale += validate_record(record, raw, registry, str(path), stale_ok=True)
         console.print(f"{len(found)} records valid ({stale} stale)", highlight=False)
 
+    @group.command("schema")
+    def schema(
+        output: Path = typer.Option(
+            Path("results/schema.json"), "--output", help="Where to write the JSON Schema."
+        ),
+    ) -> None:
+        """Write the JSON Schema of result records (results/schema.json) for submitters."""
+        from pflbench.results.schema import schema_json
+
+        output.write_text(schema_json(), encoding="utf-8")
+        console.print(f"wrote {output}", highlight=False)
+
     @app.command("plot")
     def plot(
         task: str = typer.Option(None, "--task", help="Only this task (default: every task)."),

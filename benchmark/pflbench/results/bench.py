@@ -21,17 +21,27 @@ from pflbench.spec.models import Baseline, Budget, DataSource, EvalSet, Recipe, 
 TARGET_SECONDS = 5.0
 
 
-def synthetic_config(task: str, baseline: str, budget: Budget, seed: int, cohort: int) -> dict:
-    """A complete resolved RunConfig (as JSON) for a made-up task, as a run would store it."""
+def synthetic_config(
+    task: str,
+    baseline: str,
+    budget: Budget,
+    seed: int,
+    cohort: int,
+    eval_sets: dict[str, str] | None = None,
+    version: int = 1,
+) -> dict:
+    """A complete resolved RunConfig (as JSON) for a made-up task, as a run would store it.
+    `eval_sets` maps eval set name → role (default: dev and test)."""
+    sets = eval_sets or {"dev": "dev", "test": "test"}
     spec = Task(
         name=task,
-        version=1,
+        version=version,
         language="en",
         description="synthetic records for benchmarks and tests",
         federated_data=DataSource(corpus="commonvoice", subsets=["train"], locale="en"),
         eval_sets=[
-            EvalSet(name="dev", corpus="commonvoice", subset="dev", locale="en", role="dev"),
-            EvalSet(name="test", corpus="commonvoice", subset="test", locale="en", role="test"),
+            EvalSet(name=name, corpus="commonvoice", subset=role, locale="en", role=role)
+            for name, role in sets.items()
         ],
     )
     recipe = Recipe().model_dump()
@@ -46,8 +56,11 @@ def synthetic_config(task: str, baseline: str, budget: Budget, seed: int, cohort
     return config.model_dump(mode="json")
 
 
-def synthetic_record(config: dict, dev_wer: float, test_wer: float, created: str) -> dict:
-    """A run record around `config` with made-up metrics; no privacy claim (budget dp: false)."""
+def synthetic_record(
+    config: dict, wers: dict[str, float], created: str, privacy: dict | None = None
+) -> dict:
+    """A run record around `config` with made-up WERs per eval set (as fractions)."""
+    roles = {item["name"]: item["role"] for item in config["task"]["eval_sets"]}
     record = {
         "schema_version": RECORD_SCHEMA_VERSION,
         "created": created,
@@ -60,21 +73,18 @@ def synthetic_record(config: dict, dev_wer: float, test_wer: float, created: str
         "config_hash": config_dict_hash(config),
         "config": config,
         "metrics": {
-            "final": {
-                "dev": {"role": "dev", "wer": dev_wer},
-                "test": {"role": "test", "wer": test_wer},
-            },
+            "final": {name: {"role": roles[name], "wer": wer} for name, wer in wers.items()},
             "seed_model": None,
             "history": [],
         },
-        "privacy": None,
+        "privacy": privacy,
         "compute": {
             "wall_seconds": 60.0,
             "device": "cpu",
             "device_name": "synthetic",
             "num_processes": 1,
             "gpu_hours": 0.0,
-            "central_steps": 2000,
+            "central_steps": config["recipe"]["federated"]["central_steps"],
             "cfmq": None,
         },
         "software": {
@@ -98,7 +108,8 @@ def write_synthetic_results(root: Path, count: int, seed: int = 0) -> None:
     for i in range(count):
         task, baseline = f"bench-task-{i % 10}", f"baseline-{(i // 10) % 10}"
         config = synthetic_config(task, baseline, budget, seed=i // 100, cohort=8 << (i % 3))
-        record = synthetic_record(config, rng.random(), rng.random(), "2026-01-01T00:00:00+00:00")
+        wers = {"dev": rng.random(), "test": rng.random()}
+        record = synthetic_record(config, wers, "2026-01-01T00:00:00+00:00")
         path = record_path(root, ResultRecord.model_validate(record))
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(record))

@@ -251,8 +251,8 @@ def submit(
         )
     record_file = run_dir / "record.json"
     record, raw = load_record(record_file)
-    check_run_dir_config(run_dir, record)
     stale = validate_record(record, raw, registry, str(record_file), stale_ok)
+    check_run_dir_config(run_dir, record)
     dest = record_path(results_root, record)
     duplicate = find_duplicate(record, dest.parent)
     if duplicate is not None:

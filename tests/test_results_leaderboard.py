@@ -1,0 +1,153 @@
+"""leaderboard.md: golden output, determinism, --check, the paper's reference rows, schema.json."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pflbench.cli import app
+from pflbench.errors import UserError
+from pflbench.results.leaderboard import fmt_wer, load_results, render_leaderboard
+from pflbench.results.schema import schema_json
+from pflbench.spec.models import Budget
+
+REPO = Path(__file__).parents[1]
+GOLDEN = Path(__file__).parent / "fixtures" / "results" / "golden"
+BUDGETS = {
+    "fx-nodp": Budget(name="fx-nodp", dp=False),
+    "fx-dp": Budget(name="fx-dp", epsilon=1.5, delta=1e-6, population=10000, cohort=100, steps=50),
+}
+VERSIONS = {"fx-task": 2, "fx-ls": 1}
+
+
+def render_golden(records=None) -> str:
+    return render_leaderboard(records or load_results(GOLDEN / "results"), VERSIONS, BUDGETS)
+
+
+def test_golden_leaderboard():
+    expected = (GOLDEN / "leaderboard.md").read_text(encoding="utf-8")
+    assert render_golden() == expected, (
+        "leaderboard rendering changed; if intended, regenerate with "
+        "`python tests/test_results_leaderboard.py` and review the diff"
+    )
+
+
+def test_same_records_in_any_order_give_identical_bytes():
+    records = load_results(GOLDEN / "results")
+    shuffled = records[:]
+    random.Random(1).shuffle(shuffled)
+    assert render_golden(shuffled).encode() == render_golden(records).encode()
+
+
+def test_seed_groups_and_ranking():
+    text = render_golden()
+    # three seeds of one config: mean ± sample std (n)
+    assert "| fedavg | 31.00 ± 1.00 (n=3) | 37.00 ± 2.65 (n=3) |" in text
+    # two global configs that differ in cohort size are two rows, ranked by test WER
+    lines = [line for line in text.splitlines() if line.startswith("| ") and "global" in line]
+    assert [line.split(" | ")[8] for line in lines[:2]] == ["16", "8"]
+    # LibriSpeech-like task: both test sets shown, ranked by their mean
+    assert "ls-test-clean WER (test) | ls-test-other WER (test)" in text
+    assert text.index("| 1 | fedavg | 5.00 | 12.00 | 6.00 | 13.00") < text.index(
+        "| 2 | perlayer-dim"
+    )
+    # reference rows are marked and record text cannot break the table
+    assert "| 📄 central |" in text and "a \\| piped row" in text
+
+
+def test_fmt_wer():
+    assert fmt_wer([0.2, 0.3]) == "25.00 ± 7.07 (n=2)"
+    assert fmt_wer([0.123]) == "12.30"
+    assert fmt_wer([]) == "–"
+
+
+def copy_golden(tmp_path: Path) -> Path:
+    root = tmp_path / "results"
+    shutil.copytree(GOLDEN / "results", root)
+    return root
+
+
+def test_record_filed_in_the_wrong_place_is_refused(tmp_path):
+    root = copy_golden(tmp_path)
+    source = next((root / "fx-task" / "fx-dp").glob("*.json"))
+    (root / "fx-task" / "fx-nodp" / source.name).write_bytes(source.read_bytes())
+    with pytest.raises(UserError, match="belongs at results/fx-task/fx-dp/"):
+        load_results(root)
+
+
+def test_cli_check_exits_nonzero_when_stale(tmp_path, monkeypatch):
+    root = copy_golden(tmp_path)
+    out = tmp_path / "leaderboard.md"
+    runner = CliRunner()
+    args = ["--results", str(root), "--output", str(out)]
+    assert runner.invoke(app, ["leaderboard", "--check", *args]).exit_code == 1  # missing
+    assert runner.invoke(app, ["leaderboard", *args]).exit_code == 0
+    assert runner.invoke(app, ["leaderboard", "--check", *args]).exit_code == 0
+    first = out.read_bytes()
+    assert runner.invoke(app, ["leaderboard", *args]).exit_code == 0
+    assert out.read_bytes() == first  # regeneration is byte-identical
+    # a new record makes the file stale
+    record = json.loads(next((root / "fx-ls" / "fx-nodp").glob("*.json")).read_text())
+    record_file = root / "paper" / "extra.json"
+    record.update(kind="reference", config=None, config_hash=None, seed=None)
+    record["provenance"] = {"paper": "p", "table": "t", "row": "r", "note": ""}
+    from pflbench.results.schema import compute_record_id
+
+    record["record_id"] = compute_record_id(record)
+    record_file.write_text(json.dumps(record))
+    assert runner.invoke(app, ["leaderboard", "--check", *args]).exit_code == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# The repository's own results/
+
+
+def test_paper_reference_rows():
+    records = {r.provenance.row: r for r in load_results(REPO / "results") if r.kind == "reference"}
+    dim3 = next(r for row, r in records.items() if "σ_DP = 3e-6" in row and '"dim"' in row)
+    assert dim3.budget == "eps7.2-high-pop" and dim3.baseline == "perlayer-dim"
+    assert dim3.metrics.final["cv-test"].wer == pytest.approx(0.204)
+    assert dim3.privacy.extrapolated.epsilon["rdp"].epsilon == 7.2
+    glob5 = next(r for row, r in records.items() if "σ_DP = 1e-5" in row and "global" in row)
+    assert (glob5.metrics.final["cv-dev"].wer, glob5.budget) == (
+        pytest.approx(0.307),
+        "eps4.5-low-pop",
+    )
+    cohorts = sorted(
+        r.compute.cfmq.clients_per_round
+        for r in records.values()
+        if r.provenance.table == "Table 4"
+    )
+    assert cohorts == [8, 16, 32, 64, 128, 256]
+    assert all(r.task.name == "cv-en-ls100-seed" for r in records.values())
+    assert len(records) == 16
+
+
+def test_repository_leaderboard_is_current():
+    result = CliRunner().invoke(
+        app,
+        [
+            "leaderboard",
+            "--check",
+            "--results",
+            str(REPO / "results"),
+            "--output",
+            str(REPO / "leaderboard.md"),
+        ],
+    )
+    assert result.exit_code == 0, "leaderboard.md is stale: run `pflbench leaderboard`"
+
+
+def test_schema_json_is_current():
+    assert (REPO / "results" / "schema.json").read_text(encoding="utf-8") == schema_json(), (
+        "results/schema.json is out of date: run `pflbench results schema`"
+    )
+
+
+if __name__ == "__main__":  # regenerate the golden file after an intended change
+    (GOLDEN / "leaderboard.md").write_text(render_golden(), encoding="utf-8")

@@ -1,0 +1,248 @@
+"""`pflbench submit`: a valid run is filed; every refusal is triggered by a tampered record."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+
+from pflbench.errors import UserError
+from pflbench.privacy.statement import privacy_statement
+from pflbench.results.bench import synthetic_record
+from pflbench.results.leaderboard import load_results, render_leaderboard
+from pflbench.results.schema import (
+    MAX_RECORD_BYTES,
+    compute_record_id,
+    config_dict_hash,
+    load_record,
+    safe_name,
+)
+from pflbench.results.submit import record_path, submit
+from pflbench.spec.registry import load_registry
+from pflbench.spec.resolve import resolve
+
+SPECS = Path(__file__).parent / "fixtures" / "results" / "specs"
+SIGMA_DP = 0.01  # z = 1 at the fx-dp budget's cohort of 100: ε(rdp) ≈ 1.42 ≤ 1.5
+POPULATION = 100  # users of the (pretend) simulated corpus
+
+
+@pytest.fixture(scope="module")
+def registry():
+    return load_registry([SPECS])
+
+
+def finalize(record: dict) -> dict:
+    """Recompute the hashes a run would have written for this (possibly edited) record."""
+    if record.get("config") is not None:
+        record["config_hash"] = config_dict_hash(record["config"])
+    record["record_id"] = compute_record_id(record)
+    return record
+
+
+def make_record(registry, budget: str = "fx-dp", seed: int = 0, sigma_dp: float = SIGMA_DP):
+    config = resolve(registry, "fx-task", "perlayer-dim", budget, seed)
+    privacy = None
+    if config.budget.dp:
+        fed = config.recipe.federated
+        privacy = privacy_statement(
+            sigma_dp=sigma_dp,
+            clip_bound=config.recipe.privacy.clip_bound,
+            cohort=fed.cohort_size,
+            population=POPULATION,
+            steps=fed.central_steps,
+            delta=config.budget.delta,
+            sampling=fed.sampling,
+            budget=config.budget,
+        )
+    wers = {"cv-dev": 0.3 + seed / 100, "cv-test": 0.35 + seed / 100}
+    created = f"2026-03-0{seed + 1}T00:00:00+00:00"
+    return synthetic_record(config.model_dump(mode="json"), wers, created, privacy)
+
+
+def write_run(run_dir: Path, record: dict, done: bool = True) -> Path:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.json").write_text(json.dumps(record["config"], indent=2))
+    (run_dir / "record.json").write_text(json.dumps(record, indent=2))
+    if done:
+        (run_dir / "DONE").write_text("done\n")
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def dp_record(registry):
+    return make_record(registry)
+
+
+def refused(tmp_path: Path, registry, record: dict, match: str, **kwargs) -> None:
+    run_dir = write_run(tmp_path / "run", record)
+    with pytest.raises(UserError, match=match):
+        submit(run_dir, tmp_path / "results", registry, **kwargs)
+    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").rglob("*.json"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Accepted
+
+
+def test_valid_dp_run_is_filed_and_shown(tmp_path, registry, dp_record):
+    run_dir = write_run(tmp_path / "run", dp_record)
+    (run_dir / "checkpoints").mkdir()
+    (run_dir / "checkpoints" / "final.safetensors").write_bytes(b"weights")
+    accepted = submit(run_dir, tmp_path / "results", registry)
+    expected = tmp_path / "results" / "fx-task" / "fx-dp" / f"{dp_record['record_id']}.json"
+    assert accepted.path == expected and not accepted.stale
+    stored, raw = load_record(expected)
+    assert raw == dp_record
+    # Only the record is stored.
+    assert sorted(p.name for p in (tmp_path / "results").rglob("*") if p.is_file()) == [
+        expected.name
+    ]
+    text = render_leaderboard(load_results(tmp_path / "results"), {"fx-task": 2})
+    assert "| perlayer-dim | 30.00 | 35.00 | 1.42 rdp |" in text
+
+
+def test_no_dp_run_is_filed(tmp_path, registry):
+    record = make_record(registry, budget="fx-nodp")
+    accepted = submit(write_run(tmp_path / "run", record), tmp_path / "results", registry)
+    assert accepted.path.parent == tmp_path / "results" / "fx-task" / "fx-nodp"
+
+
+# ----------------------------------------------------------------------------------------------
+# Refused
+
+
+def test_unknown_schema_version(tmp_path, registry, dp_record):
+    record = finalize({**copy.deepcopy(dp_record), "schema_version": 99})
+    refused(tmp_path, registry, record, "unknown record schema_version 99")
+
+
+def test_config_hash_mismatch(tmp_path, registry, dp_record):
+    record = copy.deepcopy(dp_record)
+    record["config"]["recipe"]["federated"]["client"]["lr"] = 0.9  # edited after the run
+    refused(tmp_path, registry, finalize_id_only(record), "does not match the stored config")
+
+
+def finalize_id_only(record: dict) -> dict:
+    record["record_id"] = compute_record_id(record)
+    return record
+
+
+def test_run_dir_config_differs_from_record(tmp_path, registry, dp_record):
+    run_dir = write_run(tmp_path / "run", dp_record)
+    other = copy.deepcopy(dp_record["config"])
+    other["seed"] = 7
+    (run_dir / "config.json").write_text(json.dumps(other))
+    with pytest.raises(UserError, match="config.json: the resolved config"):
+        submit(run_dir, tmp_path / "results", registry)
+
+
+def test_old_task_version_needs_stale_and_is_shown_stale(tmp_path, registry, dp_record):
+    record = copy.deepcopy(dp_record)
+    record["config"]["task"]["version"] = 1
+    record["task"]["version"] = 1
+    record = finalize(record)
+    refused(tmp_path, registry, record, "version 2 in the registry but the run used version 1")
+    accepted = submit(tmp_path / "run", tmp_path / "results", registry, stale_ok=True)
+    assert accepted.stale
+    text = render_leaderboard(load_results(tmp_path / "results"), {"fx-task": 2})
+    assert "perlayer-dim ⚠ stale (v1)" in text
+
+
+def test_privacy_claim_mismatch(tmp_path, registry, dp_record):
+    record = copy.deepcopy(dp_record)
+    record["privacy"]["extrapolated"]["epsilon"]["rdp"]["epsilon"] = 1.2  # a rosier claim
+    refused(tmp_path, registry, finalize(record), "claimed ε = 1.2 but the rdp accountant")
+
+
+def test_privacy_claim_with_wrong_noise_multiplier(tmp_path, registry, dp_record):
+    record = copy.deepcopy(dp_record)
+    record["privacy"]["sigma_dp"] = SIGMA_DP * 2  # claims more noise than its ε numbers used
+    refused(tmp_path, registry, finalize(record), "noise_multiplier")
+
+
+def test_epsilon_above_budget(tmp_path, registry):
+    # An honest claim (the accountants agree) for too little noise for the budget it is filed under.
+    record = make_record(registry, sigma_dp=SIGMA_DP * 0.8)
+    refused(tmp_path, registry, record, "above the budget 'fx-dp'")
+
+
+def test_dp_budget_without_claim(tmp_path, registry, dp_record):
+    record = finalize({**copy.deepcopy(dp_record), "privacy": None})
+    refused(tmp_path, registry, record, "needs a DP privacy claim")
+
+
+def test_duplicates(tmp_path, registry, dp_record):
+    submit(write_run(tmp_path / "run", dp_record), tmp_path / "results", registry)
+    with pytest.raises(UserError, match="duplicate"):
+        submit(tmp_path / "run", tmp_path / "results", registry)
+    rerun = finalize({**copy.deepcopy(dp_record), "created": "2026-04-01T00:00:00+00:00"})
+    with pytest.raises(UserError, match="duplicate"):  # same config and seed, run again
+        submit(write_run(tmp_path / "rerun", rerun), tmp_path / "results", registry)
+
+
+def test_malformed_json(tmp_path, registry):
+    run_dir = write_run(tmp_path / "run", {"config": {}})
+    (run_dir / "record.json").write_text('{"schema_version": 1, "record_id": ')
+    with pytest.raises(UserError, match="record.json: not valid JSON"):
+        submit(run_dir, tmp_path / "results", registry)
+
+
+def test_nan_is_refused(tmp_path, registry, dp_record):
+    run_dir = write_run(tmp_path / "run", dp_record)
+    text = (run_dir / "record.json").read_text().replace('"wer": 0.35', '"wer": NaN')
+    (run_dir / "record.json").write_text(text)
+    with pytest.raises(UserError, match="NaN"):
+        submit(run_dir, tmp_path / "results", registry)
+
+
+def test_oversized_file(tmp_path, registry, dp_record):
+    run_dir = write_run(tmp_path / "run", dp_record)
+    padded = json.dumps(dp_record) + " " * MAX_RECORD_BYTES
+    (run_dir / "record.json").write_text(padded)
+    with pytest.raises(UserError, match="over the 2097152-byte limit"):
+        submit(run_dir, tmp_path / "results", registry)
+
+
+def test_edited_record_id(tmp_path, registry, dp_record):
+    record = copy.deepcopy(dp_record)
+    record["metrics"]["final"]["cv-test"]["wer"] = 0.01  # a better number, id left as it was
+    refused(tmp_path, registry, record, "record_id .* does not match its content")
+
+
+@pytest.mark.parametrize("name", ["../../evil", "a/b", "..", "/etc", "Task", ".hidden", ""])
+def test_path_traversal_names(tmp_path, registry, dp_record, name):
+    record = copy.deepcopy(dp_record)
+    record["task"]["name"] = name
+    record["config"]["task"]["name"] = name
+    refused(tmp_path, registry, finalize(record), "task.name")
+    with pytest.raises(UserError, match="not a safe name"):
+        safe_name(name, "task name")
+    assert not (tmp_path / "evil").exists()
+
+
+def test_record_path_stays_inside_results(tmp_path, registry, dp_record):
+    from pflbench.results.schema import ResultRecord
+
+    record = ResultRecord.model_validate(dp_record)
+    path = record_path(tmp_path / "results", record)
+    assert path.resolve().parent.parent.parent == (tmp_path / "results").resolve()
+
+
+def test_unfinished_run(tmp_path, registry, dp_record):
+    run_dir = write_run(tmp_path / "run", dp_record, done=False)
+    with pytest.raises(UserError, match="no DONE marker"):
+        submit(run_dir, tmp_path / "results", registry)
+
+
+def test_reference_rows_cannot_be_submitted(tmp_path, registry):
+    paper = Path(__file__).parents[1] / "results" / "paper" / "table1-global-sigma3e-6.json"
+    record = json.loads(paper.read_text())
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "record.json").write_text(json.dumps(record))
+    (run_dir / "config.json").write_text("{}")
+    (run_dir / "DONE").write_text("")
+    with pytest.raises(UserError):
+        submit(run_dir, tmp_path / "results", registry)
