@@ -94,28 +94,36 @@ def compute_epsilon(
     return _cached_rdp(*args) if accountant == "rdp" else _cached_pld(*args)
 
 
-@functools.lru_cache(maxsize=4096)
-def _cached_rdp(z: float, q: float, steps: int, delta: float) -> EpsilonResult:
+def rdp_epsilon(
+    z: float, q: float, steps: int, delta: float, orders: tuple[float, ...] = RDP_ORDERS
+) -> tuple[float, float]:
+    """(epsilon, best order) by opacus' RDP analysis over `orders` (no validation, no cache)."""
     from opacus.accountants.analysis import rdp as opacus_rdp
 
-    orders = np.array(RDP_ORDERS)
-    rdp = opacus_rdp.compute_rdp(q=q, noise_multiplier=z, steps=steps, orders=orders)
+    grid = np.array(orders, dtype=float)
+    rdp = opacus_rdp.compute_rdp(q=q, noise_multiplier=z, steps=steps, orders=grid)
     with warnings.catch_warnings():  # opacus warns when the best order is at the grid's edge
         warnings.simplefilter("ignore")
-        eps, order = opacus_rdp.get_privacy_spent(orders=orders, rdp=rdp, delta=delta)
+        eps, order = opacus_rdp.get_privacy_spent(orders=grid, rdp=rdp, delta=delta)
+    return float(eps), float(order)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_rdp(z: float, q: float, steps: int, delta: float) -> EpsilonResult:
+    eps, order = rdp_epsilon(z, q, steps, delta)
     return EpsilonResult(
         accountant="rdp",
         library="opacus",
         library_version=version("opacus"),
-        epsilon=float(eps),
+        epsilon=eps,
         delta=delta,
         noise_multiplier=z,
         sampling_rate=q,
         steps=steps,
-        order=None if math.isnan(order) else float(order),
+        order=None if math.isnan(order) else order,
         details={
             "orders": list(RDP_ORDERS),
-            "order_at_grid_edge": float(order) in (RDP_ORDERS[0], RDP_ORDERS[-1]),
+            "order_at_grid_edge": order in (RDP_ORDERS[0], RDP_ORDERS[-1]),
             "conversion": "Balle et al. 2020, Thm. 21 (opacus get_privacy_spent)",
             "neighboring_relation": "add_or_remove_one",
         },

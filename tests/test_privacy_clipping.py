@@ -1,0 +1,147 @@
+"""Clipping: bounds hold for every dtype/shape/scale, untouched layers stay bit-identical."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pflbench.privacy.clipping import clip_update, layer_bounds, zero_if_nonfinite
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
+TOL = 1 + 1e-6
+INSIDE = 1 - 1e-5  # norms are fp32: "inside" means inside by more than fp32 rounding
+
+
+def norm64(tensor: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(tensor.double()))
+
+
+@st.composite
+def updates(draw):
+    """A model-shaped update: 1-5 layers of random shapes, one dtype, per-layer scales spread
+    over orders of magnitude (like LayerNorm vs attention deltas), fp16 kept in its normal range."""
+    dtype = draw(st.sampled_from(DTYPES))
+    low, high = (0.0, 2.0) if dtype == torch.float16 else (-4.0, 3.0)
+    num_layers = draw(st.integers(1, 5))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    update = {}
+    for h in range(num_layers):
+        shape = draw(st.lists(st.integers(1, 24), min_size=1, max_size=3))
+        scale = 10 ** draw(st.floats(low, high))
+        values = torch.randn(shape, generator=generator, dtype=torch.float64) * scale
+        update[f"layer{h}.weight"] = values.to(dtype)
+    return update
+
+
+bound_ratios = st.floats(-2.0, 2.0).map(lambda e: 10**e)  # C relative to the update's norm
+
+
+@settings(max_examples=150, deadline=None)
+@given(update=updates(), ratio=bound_ratios)
+def test_global_clip_bounds_norm_and_keeps_inside_updates(update, ratio):
+    total = math.sqrt(sum(norm64(t) ** 2 for t in update.values()))
+    bound = total * ratio
+    original = {k: v.clone() for k, v in update.items()}
+    result = clip_update(update, "global", bound)
+
+    clipped_norm = math.sqrt(sum(norm64(t) ** 2 for t in result.update.values()))
+    assert clipped_norm <= bound * TOL
+    assert result.total_norm == pytest.approx(total, rel=1e-5)
+    assert torch.allclose(
+        result.norms.double(),
+        torch.tensor([norm64(t) for t in original.values()], dtype=torch.float64),
+        rtol=1e-5,
+    )
+    assert (result.factors <= 1).all() and result.norms.dtype == torch.float32
+    for name, tensor in result.update.items():
+        assert tensor.dtype == original[name].dtype
+        assert torch.equal(update[name], original[name])  # not in place by default
+    if total <= bound * INSIDE:
+        assert all(torch.equal(result.update[k], original[k]) for k in original)
+    elif total > bound:  # clipped to the bound, not far inside it (the rounding margin is tiny)
+        eps = max(torch.finfo(t.dtype).eps for t in original.values())
+        assert clipped_norm >= bound * (1 - 4 * eps - 1e-6)
+
+
+@settings(max_examples=150, deadline=None)
+@given(update=updates(), ratio=bound_ratios, mode=st.sampled_from(["uniform", "dim"]))
+def test_perlayer_clip_bounds_every_layer_and_the_total(update, ratio, mode):
+    total = math.sqrt(sum(norm64(t) ** 2 for t in update.values()))
+    bound = total * ratio
+    original = {k: v.clone() for k, v in update.items()}
+    bounds = layer_bounds([t.numel() for t in update.values()], bound, mode).tolist()
+    result = clip_update(update, "perlayer", bound, perlayer_mode=mode, in_place=True)
+
+    assert result.update is not update
+    clipped_total = 0.0
+    for (name, tensor), layer_bound in zip(result.update.items(), bounds, strict=True):
+        assert tensor.data_ptr() == update[name].data_ptr()  # in place
+        layer_norm = norm64(tensor)
+        assert layer_norm <= layer_bound * TOL
+        if norm64(original[name]) <= layer_bound * INSIDE:
+            assert torch.equal(tensor, original[name])
+        clipped_total += layer_norm**2
+    assert math.sqrt(clipped_total) <= bound * TOL
+
+
+@given(
+    sizes=st.lists(st.integers(1, 10**7), min_size=1, max_size=40),
+    bound=st.floats(1e-8, 1e3),
+)
+def test_layer_bound_formulas_are_exact(sizes, bound):
+    uniform = layer_bounds(sizes, bound, "uniform")
+    dim = layer_bounds(sizes, bound, "dim")
+    expected_uniform = torch.tensor([bound / math.sqrt(len(sizes))] * len(sizes))
+    expected_dim = torch.tensor([bound * math.sqrt(d / sum(sizes)) for d in sizes])
+    assert uniform.dtype == dim.dtype == torch.float32
+    assert torch.equal(uniform, expected_uniform.float())
+    assert torch.equal(dim, expected_dim.float())
+    # sum_h C_h^2 = C^2: per-layer clipping keeps the global sensitivity C.
+    assert float((dim.double() ** 2).sum()) == pytest.approx(bound**2, rel=1e-6)
+
+
+def test_none_clipping_reports_norms_and_changes_nothing():
+    update = {"a": torch.full((3,), 2.0), "b": torch.zeros(2)}
+    result = clip_update(update, "none", 1e-3)
+    assert torch.equal(result.factors, torch.ones(2))
+    assert torch.equal(result.update["a"], update["a"])
+    assert result.norms.tolist() == pytest.approx([math.sqrt(12), 0.0])
+
+
+def test_zero_update_is_not_nan():
+    result = clip_update({"a": torch.zeros(4), "b": torch.zeros(1)}, "perlayer", 1.0)
+    assert torch.equal(result.update["a"], torch.zeros(4))
+    assert torch.equal(result.factors, torch.ones(2))
+
+
+def test_global_clip_scales_every_layer_by_one_factor():
+    update = {"a": torch.tensor([3.0, 0.0]), "b": torch.tensor([0.0, 4.0])}  # norm 5
+    result = clip_update(update, "global", 1.0)
+    assert result.total_norm == pytest.approx(5.0)
+    assert result.factors.tolist() == pytest.approx([0.2, 0.2], rel=1e-6)
+    assert result.update["a"].tolist() == pytest.approx([0.6, 0.0], rel=1e-6)
+
+
+def test_unknown_clipping_or_mode_is_rejected():
+    update = {"a": torch.ones(2)}
+    with pytest.raises(ValueError, match="clipping"):
+        clip_update(update, "layerwise", 1.0)
+    with pytest.raises(ValueError, match="mode"):
+        clip_update(update, "perlayer", 1.0, perlayer_mode="sqrt")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_zero_if_nonfinite_zeroes_the_whole_update(dtype, bad):
+    update = {"a": torch.ones(3, dtype=dtype), "b": torch.tensor([1.0, bad, 2.0], dtype=dtype)}
+    assert zero_if_nonfinite(update) is True
+    assert all(torch.equal(t, torch.zeros_like(t)) for t in update.values())
+
+
+def test_zero_if_nonfinite_leaves_finite_updates_alone():
+    update = {"a": torch.tensor([1e300, -3.0], dtype=torch.float64), "b": torch.ones(2)}
+    before = {k: v.clone() for k, v in update.items()}
+    assert zero_if_nonfinite(update) is False
+    assert all(torch.equal(update[k], before[k]) for k in before)

@@ -1,0 +1,162 @@
+"""Noise: right std, same average for server and client placement, keyed streams, and an
+aggregate that is bitwise independent of how users are grouped over workers."""
+
+import math
+
+import pytest
+import torch
+
+from pflbench.privacy.aggregate import ExactSum
+from pflbench.privacy.clipping import clip_update
+from pflbench.privacy.noise import (
+    add_gaussian_noise,
+    client_noise_std,
+    noise_generator,
+    server_noise_std,
+    stream_seed,
+)
+
+SHAPES = {"enc.w": (64, 48), "enc.ln": (48,), "out.w": (31, 48), "out.b": (31,)}
+
+
+def zeros(dtype=torch.float32) -> dict[str, torch.Tensor]:
+    return {name: torch.zeros(shape, dtype=dtype) for name, shape in SHAPES.items()}
+
+
+def flat(update: dict[str, torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).double() for t in update.values()])
+
+
+def test_noise_std_and_mean():
+    update = {"big": torch.zeros(400_000)}
+    add_gaussian_noise(update, 0.3, noise_generator(seed=1, step=2))
+    values = update["big"].double()
+    # std of the std estimate is 0.3/sqrt(2n) ~ 3.4e-4: 1% is ~9 standard errors.
+    assert float(values.std()) == pytest.approx(0.3, rel=0.01)
+    assert abs(float(values.mean())) < 5 * 0.3 / math.sqrt(values.numel())
+
+
+def test_std_formulas():
+    assert server_noise_std(0.01, 3e-6) == pytest.approx(3e-8)
+    assert client_noise_std(0.01, 3e-6, 204_800) == pytest.approx(3e-8 * math.sqrt(204_800))
+
+
+def test_same_keys_give_identical_noise_and_other_keys_differ():
+    def noise(seed, step, user=None, dtype=torch.float32):
+        update = zeros(dtype)
+        add_gaussian_noise(update, 1.0, noise_generator(seed, step, user))
+        return flat(update)
+
+    reference = noise(7, 3)
+    assert torch.equal(reference, noise(7, 3))
+    assert torch.equal(reference, noise(7, 3, dtype=torch.float64))  # drawn in fp32 always
+    for other in (noise(8, 3), noise(7, 4), noise(7, 3, user=0), noise(7, 3, user="spk-0")):
+        assert not torch.allclose(reference, other)
+    assert not torch.allclose(noise(7, 3, user=1), noise(7, 3, user=2))
+    assert stream_seed(7, 3) != stream_seed(7, 3, user=0)  # server and user domains differ
+
+
+def test_server_and_client_placement_give_the_same_average_distribution():
+    cohort, clip_bound, sigma_dp = 40, 0.5, 0.02
+    generator = torch.Generator().manual_seed(0)
+    users = [{"w": torch.randn(20_000, generator=generator) * 1e-3} for _ in range(cohort)]
+    mean = sum(u["w"] for u in users) / cohort
+
+    server = {"w": mean.clone()}
+    add_gaussian_noise(server, server_noise_std(clip_bound, sigma_dp), noise_generator(0, 0))
+
+    std = client_noise_std(clip_bound, sigma_dp, cohort)
+    noisy = []
+    for user_id, u in enumerate(users):
+        update = {"w": u["w"].clone()}
+        add_gaussian_noise(update, std, noise_generator(0, 0, user=user_id))
+        noisy.append(update["w"])
+    client = sum(noisy) / cohort
+
+    expected_std = clip_bound * sigma_dp
+    for average in (server["w"], client):
+        residual = (average - mean).double()
+        assert float(residual.std()) == pytest.approx(expected_std, rel=0.03)
+        assert abs(float(residual.mean())) < 5 * expected_std / math.sqrt(residual.numel())
+
+
+def clipped_users(count: int, clip_bound: float) -> list[dict[str, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(123)
+    users = []
+    for _ in range(count):
+        update = {n: torch.randn(s, generator=generator) * 0.1 for n, s in SHAPES.items()}
+        users.append(clip_update(update, "perlayer", clip_bound).update)
+    return users
+
+
+def aggregate(users, groups, placement, clip_bound=1.0, sigma_dp=0.01, seed=5, step=9):
+    """Simulate workers: each sums its group in the given order, then the int64 buffers are
+    all-reduced (summed) and the noisy average is formed."""
+    client_std = client_noise_std(clip_bound, sigma_dp, len(users))
+    max_abs = clip_bound + 40 * client_std
+    workers = []
+    for group in groups:
+        acc = ExactSum(zeros(), max_abs=max_abs, max_terms=1024)
+        for user_id in group:
+            update = {n: t.clone() for n, t in users[user_id].items()}
+            if placement == "client":
+                add_gaussian_noise(update, client_std, noise_generator(seed, step, user=user_id))
+            acc.add(update)
+        workers.append(acc)
+    for buffers in zip(*(w.buffers() for w in workers), strict=True):  # the all-reduce
+        total = torch.stack(buffers).sum(0)
+        for b in buffers:
+            b.copy_(total)
+    average = {n: t / len(users) for n, t in workers[0].result().items()}
+    if placement == "server":
+        std = server_noise_std(clip_bound, sigma_dp)
+        add_gaussian_noise(average, std, noise_generator(seed, step))
+    return flat(average)
+
+
+@pytest.mark.parametrize("placement", ["server", "client"])
+def test_noisy_aggregate_is_bitwise_identical_for_any_grouping_and_order(placement):
+    users = clipped_users(13, clip_bound=1.0)
+    one_worker = aggregate(users, [list(range(13))], placement)
+    two_workers = aggregate(users, [[12, 3, 5, 0, 7, 1], [2, 11, 9, 4, 10, 8, 6]], placement)
+    three_workers = aggregate(users, [[6, 2], [9, 0, 12, 4, 1], [3, 8, 5, 11, 7, 10]], placement)
+    assert torch.equal(one_worker, two_workers)
+    assert torch.equal(one_worker, three_workers)
+    exact_mean = sum(flat(u) for u in users) / 13  # the noise is there, and only the noise
+    assert float((one_worker - exact_mean).std()) == pytest.approx(0.01, rel=0.1)
+
+
+def test_exact_sum_matches_the_float64_sum():
+    users = clipped_users(9, clip_bound=0.01)
+    acc = ExactSum(zeros(), max_abs=0.01)
+    for u in users:
+        acc.add(u)
+    exact = sum(flat(u) for u in users)
+    got = flat(acc.result(torch.float64))
+    assert acc.terms == 9
+    assert float((got - exact).abs().max()) <= 9 / acc.scale  # one rounding per term
+    assert all(b.dtype == torch.int64 for b in acc.buffers())
+
+
+def test_exact_sum_rejects_what_could_overflow_or_is_broken():
+    acc = ExactSum({"w": torch.zeros(3)}, max_abs=1.0, max_terms=2)
+    with pytest.raises(ValueError, match="max_abs"):
+        acc.add({"w": torch.tensor([0.0, 1.5, 0.0])})
+    with pytest.raises(ValueError, match="max_abs"):
+        acc.add({"w": torch.tensor([0.0, float("nan"), 0.0])})
+    with pytest.raises(ValueError, match="keys"):
+        acc.add({"v": torch.zeros(3)})
+    acc.add({"w": torch.ones(3)})
+    acc.add({"w": -torch.ones(3)})
+    with pytest.raises(ValueError, match="max_terms"):
+        acc.add({"w": torch.ones(3)})
+    # The worst case (max_terms terms all at max_abs) still fits in int64.
+    big = ExactSum({"w": torch.zeros(1)}, max_abs=3.0, max_terms=2**20)
+    assert 2**20 * round(3.0 * big.scale) < 2**63
+
+
+def test_noise_std_must_be_valid():
+    with pytest.raises(ValueError):
+        add_gaussian_noise(zeros(), -1.0, noise_generator(0, 0))
+    with pytest.raises(ValueError):
+        add_gaussian_noise(zeros(), float("nan"), noise_generator(0, 0))
