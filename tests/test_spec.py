@@ -266,3 +266,10 @@ def test_cli_show_json_and_unknown_name():
     out = _cli("budgets", "show", "no-such-budget")
     assert out.returncode == 2 and "unknown budget 'no-such-budget'" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_cli_usage_errors_exit_2_without_traceback():
+    out = _cli("tasks", "show")  # missing argument
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    out = _cli("privacy", "epsilon", "--noise-multiplier", "abc", "--sampling-rate", "0.1")
+    assert out.returncode == 2 and "Traceback" not in out.stderr

@@ -50,22 +50,11 @@ _register()
 
 
 def main() -> None:
+    # Standalone mode: click handles usage errors (exit 2) and --help; UserErrors reach us here.
     try:
-        app(standalone_mode=False)
+        app()
     except UserError as exc:
         if _debug:
             raise
         err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
         sys.exit(2)
-    except typer.Exit as exc:
-        sys.exit(exc.exit_code)
-    except typer.Abort:
-        err_console.print("aborted")
-        sys.exit(130)
-    except Exception as exc:  # click usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.exceptions.ClickException):
-            exc.show()
-            sys.exit(2)
-        raise
