@@ -246,3 +246,23 @@ def test_reference_rows_cannot_be_submitted(tmp_path, registry):
     (run_dir / "DONE").write_text("")
     with pytest.raises(UserError):
         submit(run_dir, tmp_path / "results", registry)
+
+
+def test_cli_submit_then_validate(tmp_path, dp_record):
+    from typer.testing import CliRunner
+
+    from pflbench.cli import app
+
+    run_dir = write_run(tmp_path / "run", dp_record)
+    results = tmp_path / "results"
+    common = ["--results", str(results), "--specs", str(SPECS)]
+    result = CliRunner().invoke(app, ["submit", str(run_dir), *common, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["record_id"] == dp_record["record_id"]
+    result = CliRunner().invoke(app, ["results", "validate", *common])
+    assert result.exit_code == 0 and "1 records valid (0 stale)" in result.output
+    # a record edited inside results/ is caught by validate
+    stored = next(results.rglob("*.json"))
+    stored.write_text(stored.read_text().replace('"wer": 0.35', '"wer": 0.05'))
+    result = CliRunner().invoke(app, ["results", "validate", *common])
+    assert result.exit_code != 0 and "does not match its content" in str(result.exception)
