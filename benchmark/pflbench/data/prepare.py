@@ -65,8 +65,8 @@ def data_root_for(
     )
     if root is None:
         raise UserError(
-            f"task {task.name!r} reads real corpora: pass --data-root DIR or set PFLBENCH_DATA to a "
-            "folder holding LibriSpeech/<subset>/... and/or cv-corpus-*/<locale>/<split>.tsv + "
+            f"task {task.name!r} reads real corpora: pass --data-root DIR or set PFLBENCH_DATA to "
+            "a folder holding LibriSpeech/<subset>/... and/or cv-corpus-*/<locale>/<split>.tsv + "
             "clips/ (or Hugging Face datasets); the synth-* tasks need no download"
         )
     if not Path(root).is_dir():

@@ -68,6 +68,8 @@ class AudioError(Exception):
 
 def read_audio_file(path: str) -> tuple[np.ndarray, int]:
     """Mono float32 samples and the sample rate; truncated or corrupt files raise AudioError."""
+    if os.path.getsize(path) == 0:
+        raise AudioError("zero_length_audio")
     try:
         with sf.SoundFile(path) as f:
             declared, rate = f.frames, f.samplerate
@@ -285,6 +287,9 @@ def rows_to_utterances(rows: pa.Table) -> list[Utterance]:
     for i in range(rows.num_rows):
         f = np.frombuffer(feats[i].as_buffer(), np.float16).reshape(-1, N_MELS)
         t = np.frombuffer(tokens[i].as_buffer(), np.int16)
-        out.append(Utterance(utt_ids[i], user_ids[i], torch.from_numpy(f.astype(np.float32)),
-                             torch.from_numpy(t.astype(np.int64)), texts[i], seconds[i]))  # fmt: skip
+        feats_i, tokens_i = (
+            torch.from_numpy(f.astype(np.float32)),
+            torch.from_numpy(t.astype(np.int64)),
+        )
+        out.append(Utterance(utt_ids[i], user_ids[i], feats_i, tokens_i, texts[i], seconds[i]))
     return out

@@ -48,7 +48,7 @@ def normalize(text: str, language: str) -> str:
 
 
 class Tokenizer:
-    """Characters -> ids for CTC: 0 is the blank, 1 the word boundary, then ' and -, then letters."""
+    """Characters -> ids for CTC: 0 blank, 1 word boundary, then ' and -, then the letters."""
 
     def __init__(self, language: str) -> None:
         self.language = language

@@ -1,0 +1,256 @@
+"""Synthetic corpora, adapters, user splits, the feature store and bad input, end to end."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+from typer.testing import CliRunner
+
+from pflbench.cli import app
+from pflbench.data import store as store_module
+from pflbench.data.corpora import Skips, commonvoice_manifest
+from pflbench.data.prepare import data_root_for, prepare_task
+from pflbench.data.splits import apply_user_split, iid_reassign, users_digest
+from pflbench.data.store import FeatureStore, build_store
+from pflbench.data.synth import CV_COLUMNS, CV_RELEASE, SIZES, CvUsersUnit, plan_units, synthesize
+from pflbench.errors import UserError
+from pflbench.spec.models import DataSource, EvalSet, Task
+
+CV = Path(CV_RELEASE) / "en"
+
+
+def tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        h.update(str(path.relative_to(root)).encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+def read_tsv(path: Path) -> list[dict]:
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f, delimiter="\t", quoting=csv.QUOTE_NONE))
+
+
+def test_tiny_corpora_have_the_real_formats(tiny_corpus_root: Path) -> None:
+    ls = tiny_corpus_root / "LibriSpeech"
+    assert {p.name for p in ls.iterdir()} >= {"train-clean-100", "dev-clean", "test-clean"}
+    assert (ls / "SPEAKERS.TXT").read_text().startswith(";ID")
+    trans = sorted(ls.glob("train-clean-100/*/*/*.trans.txt"))[0]
+    utt, text = trans.read_text().splitlines()[0].split(" ", 1)
+    assert text == text.upper() and text.strip()
+    info = sf.info(trans.parent / f"{utt}.flac")
+    assert info.samplerate == 16000 and info.format == "FLAC"
+    rows = read_tsv(tiny_corpus_root / CV / "train.tsv")
+    assert list(rows[0]) == CV_COLUMNS
+    assert any(r["sentence"] != r["sentence"].lower() for r in rows)  # mixed case
+    clip = sf.info(tiny_corpus_root / CV / "clips" / rows[0]["path"])
+    assert clip.samplerate == 48000 and clip.format == "MP3"
+    users = {s: {r["client_id"] for r in read_tsv(tiny_corpus_root / CV / f"{s}.tsv")}
+             for s in ("train", "dev", "test")}  # fmt: skip
+    assert not (users["train"] & users["dev"]) and not (users["train"] & users["test"])
+    clips = sorted(Counter(r["client_id"] for r in rows).values())
+    assert clips[0] == 1 and clips[-1] >= 3 * np.median(clips)  # heavy tail
+    validated = read_tsv(tiny_corpus_root / CV / "validated.tsv")
+    assert len(validated) == sum(len(read_tsv(tiny_corpus_root / CV / f"{s}.tsv"))
+                                 for s in ("train", "dev", "test"))  # fmt: skip
+
+
+def test_small_size_plans_heavy_tailed_users() -> None:
+    units = plan_units(Path("/nonexistent"), "en", SIZES["small"], seed=0)
+    clips = [n for u in units if isinstance(u, CvUsersUnit) and u.split == "train"
+             for _, n, _ in u.users]  # fmt: skip
+    assert len(clips) > 1000 and np.median(clips) <= 2 and max(clips) >= 100
+
+
+def test_synthesis_is_byte_for_byte_deterministic(tiny_corpus_root: Path, tmp_path: Path) -> None:
+    again = synthesize(tmp_path / "again", "en", "tiny", seed=0)
+    assert tree_digest(again) == tree_digest(tiny_corpus_root)
+
+
+def test_task_data_stores(tiny_task_data, tiny_corpus_root: Path) -> None:
+    fed = tiny_task_data.federated_train
+    train_rows = read_tsv(tiny_corpus_root / CV / "train.tsv")
+    assert fed.users() == sorted({r["client_id"] for r in train_rows})
+    assert len(fed) == len(train_rows)
+    user = max(fed.users(), key=fed.user_num_utterances)
+    utts = fed.load_user(user)
+    assert len(utts) == fed.user_num_utterances(user) and {u.user_id for u in utts} == {user}
+    assert abs(sum(u.seconds for u in utts) - fed.user_seconds(user)) < 1e-3
+    u = utts[0]
+    assert u.feats.dtype.is_floating_point and u.feats.shape[1] == 80
+    assert abs(len(u.feats) - u.seconds * 100) <= 2
+    assert tiny_task_data.tokenizer.decode(u.tokens.tolist()) == u.text
+    assert [x.user_id for x in fed] == sorted(x.user_id for x in fed)
+    seed = tiny_task_data.seed_train
+    assert all(len(s) == 3 for s in seed.users())  # LibriSpeech user = speaker id
+    assert set(tiny_task_data.eval_sets) == {"cv-dev", "cv-test", "ls-dev-clean"}
+    stats = fed.stats()
+    assert stats["users"] == len(fed.users()) and stats["minutes_per_user"]["max"] > 0
+
+
+def test_prepare_reuses_the_store(tiny_task, tiny_cache_dir: Path, tiny_task_data) -> None:
+    again = prepare_task(tiny_task, cache_dir=tiny_cache_dir, progress=False)
+    assert again.federated_train.path == tiny_task_data.federated_train.path
+    assert again.federated_train.digest == tiny_task_data.federated_train.digest
+
+
+def test_user_split_is_complementary_and_order_independent(tiny_corpus_root: Path) -> None:
+    entries = commonvoice_manifest(tiny_corpus_root / CV / "train.tsv", "train", "en", Skips())
+    part_in = apply_user_split(entries, 10, "in", seed=0)
+    part_out = apply_user_split(entries, 10, "out", seed=0)
+    users_in, users_out = {e.user_id for e in part_in}, {e.user_id for e in part_out}
+    all_users = {e.user_id for e in entries}
+    assert users_in | users_out == all_users and not users_in & users_out
+    assert len(users_in) == round(0.1 * len(all_users))
+    shuffled = apply_user_split(entries[::-1], 10, "in", seed=0)
+    assert users_digest(e.user_id for e in shuffled) == users_digest(users_in)
+    assert {e.user_id for e in apply_user_split(entries, 10, "in", seed=1)} != users_in
+    iid = iid_reassign(entries, seed=0)
+    assert sorted(e.utt_id for e in iid) == sorted(e.utt_id for e in entries)
+    assert {e.user_id for e in iid} <= all_users
+    assert iid_reassign(entries[::-1], seed=0) == iid
+
+
+def test_store_resumes_after_an_interrupted_build(
+    tiny_corpus_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(store_module, "SHARD_UTTERANCES", 10)
+    entries = commonvoice_manifest(tiny_corpus_root / CV / "dev.tsv", "dev", "en", Skips())
+    folder = tmp_path / "store"
+    full = build_store(folder, entries, "en", "d1", {}, workers=1)
+    shards = sorted(folder.glob("shard-*.arrow"))
+    assert len(shards) >= 2
+    # Interrupt: index gone, last shard gone, a half-written temp file left behind.
+    (folder / "index.json").unlink()
+    shards[-1].unlink()
+    (folder / f"{shards[-1].name}.tmp-123").write_bytes(b"partial")
+    kept = shards[0].stat().st_mtime_ns
+    resumed = build_store(folder, entries, "en", "d1", {}, workers=1)
+    assert shards[0].stat().st_mtime_ns == kept  # finished shards are not redone
+    assert resumed.users() == full.users()
+    a, b = list(full), list(resumed)
+    assert [u.utt_id for u in a] == [u.utt_id for u in b]
+    assert all(np.array_equal(x.feats, y.feats) for x, y in zip(a, b, strict=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad input: each case is skipped, counted by reason, with example ids in the report.
+
+
+def real_task(name: str = "bad-input") -> Task:
+    return Task(
+        name=name, version=1, language="en", description="real-format corpora with faults",
+        federated_data=DataSource(corpus="commonvoice", subsets=["dev"], locale="en"),
+        eval_sets=[EvalSet(name="ls-dev", corpus="librispeech", subset="dev-clean", role="dev")],
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def faulty_root(tiny_corpus_root: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("faulty")
+    shutil.copytree(
+        tiny_corpus_root / "LibriSpeech" / "dev-clean", root / "LibriSpeech" / "dev-clean"
+    )
+    cv = root / "cv-corpus-99.0" / "en"
+    (cv / "clips").mkdir(parents=True)
+    rows = read_tsv(tiny_corpus_root / CV / "dev.tsv")
+    for r in rows:
+        shutil.copy(tiny_corpus_root / CV / "clips" / r["path"], cv / "clips" / r["path"])
+    # LibriSpeech faults.
+    flacs = sorted((root / "LibriSpeech" / "dev-clean").glob("*/*/*.flac"))
+    data = flacs[0].read_bytes()
+    flacs[0].write_bytes(data[: len(data) // 2])  # truncated
+    flacs[1].write_bytes(b"fLaC" + bytes(200))  # corrupt
+    trans = next(flacs[2].parent.glob("*.trans.txt"))
+    stem = flacs[2].stem.rsplit("-", 1)[0]
+    sf.write(flacs[2].parent / f"{stem}-0900.flac", np.zeros(0), 16000, format="FLAC")
+    shutil.copy(flacs[2], flacs[2].parent / f"{stem}-0901.flac")
+    shutil.copy(flacs[2], flacs[2].parent / f"{stem}-0902.flac")
+    with trans.open("a") as f:
+        f.write(f"{stem}-0900 ZERO LENGTH\n")  # zero-length audio
+        f.write(f"{stem}-0901\n")  # empty transcript
+        f.write(f"{stem}-0902 1234 5678\n")  # only characters outside the token set
+        f.write(f"{stem}-0903 NO SUCH AUDIO\n")  # trans.txt line whose audio is missing
+    # Common Voice faults (quoting off: an unbalanced quote is just a character).
+    header = "\t".join(CV_COLUMNS)
+    lines = ["\t".join(r[c] for c in CV_COLUMNS) for r in rows]
+    first = rows[0]
+    lines.append("\t".join([first["client_id"], "missing_clip.mp3", "Hello."] + [""] * 8))
+    lines.append("\t".join([first["client_id"], "short_row.mp3", "Too few fields"]))
+    shutil.copy(cv / "clips" / first["path"], cv / "clips" / "empty_sentence.mp3")
+    lines.append("\t".join([first["client_id"], "empty_sentence.mp3", ""] + [""] * 8))
+    shutil.copy(cv / "clips" / first["path"], cv / "clips" / "quote.mp3")
+    lines.append("\t".join([first["client_id"], "quote.mp3", 'He said "hello there.'] + [""] * 8))
+    (cv / "dev.tsv").write_text(header + "\n" + "\n".join(lines) + "\n")
+    return root
+
+
+def test_bad_input_is_skipped_counted_and_reported(faulty_root: Path, tmp_path: Path) -> None:
+    data = prepare_task(real_task(), data_root=faulty_root, cache_dir=tmp_path, progress=False)
+    ls = data.report["eval:ls-dev"]["skipped"]
+    cv = data.report["federated"]["skipped"]
+    flacs = sorted((faulty_root / "LibriSpeech" / "dev-clean").glob("*/*/*.flac"))
+    unreadable = ls["examples"].get("unreadable_audio", []) + ls["examples"].get(
+        "truncated_audio", []
+    )
+    assert flacs[0].stem in unreadable and flacs[1].stem in unreadable
+    stem = flacs[2].stem.rsplit("-", 1)[0]
+    assert ls["examples"]["zero_length_audio"] == [f"{stem}-0900"]
+    assert ls["examples"]["empty_transcript"] == [f"{stem}-0901"]
+    assert ls["examples"]["characters_outside_token_set"] == [f"{stem}-0902"]
+    assert ls["examples"]["missing_audio_file"] == [f"{stem}-0903"]
+    assert cv["counts"] == {"empty_transcript": 1, "malformed_tsv_row": 1, "missing_audio_file": 1}
+    assert cv["examples"]["missing_audio_file"] == ["missing_clip"]
+    fed = data.federated_train
+    assert "he said hello there" in {u.text for u in fed}
+    n_rows = len(read_tsv(faulty_root / "cv-corpus-99.0" / "en" / "dev.tsv"))
+    assert len(fed) == n_rows - 3  # missing clip, empty sentence, short row
+
+
+def test_data_stats_cli_reports_skips(faulty_root: Path, tmp_path: Path, monkeypatch) -> None:
+    specs = tmp_path / "specs" / "tasks"
+    specs.mkdir(parents=True)
+    spec = real_task("bad-input-cli").model_dump(mode="json", exclude_none=True, exclude={"recipe"})
+    (specs / "bad-input-cli.yaml").write_text(json.dumps(spec))
+    monkeypatch.setenv("PFLBENCH_CACHE", str(tmp_path / "cache"))
+    args = ["data", "stats", "--task", "bad-input-cli", "--specs", str(tmp_path / "specs"),
+            "--data-root", str(faulty_root), "--json"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["federated"]["skipped"]["counts"]["malformed_tsv_row"] == 1
+    assert report["eval:ls-dev"]["users"] >= 1
+
+
+def test_missing_data_errors_name_what_was_expected(
+    faulty_root: Path, tmp_path: Path, monkeypatch
+) -> None:
+    monkeypatch.delenv("PFLBENCH_DATA", raising=False)
+    with pytest.raises(UserError, match="synth-"):
+        data_root_for(real_task(), None)
+    task = real_task().model_copy(
+        update={
+            "eval_sets": [EvalSet(name="x", corpus="librispeech", subset="test-other", role="dev")]
+        }
+    )
+    with pytest.raises(UserError, match="LibriSpeech/test-other"):
+        prepare_task(task, data_root=faulty_root, cache_dir=tmp_path, progress=False)
+    shutil.copytree(faulty_root / "cv-corpus-99.0", faulty_root / "cv-corpus-98.0")
+    try:
+        with pytest.raises(UserError, match="several Common Voice releases"):
+            prepare_task(real_task(), data_root=faulty_root, cache_dir=tmp_path, progress=False)
+    finally:
+        shutil.rmtree(faulty_root / "cv-corpus-98.0")
+
+
+def test_feature_store_rejects_an_unfinished_folder(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="index.json"):
+        FeatureStore(tmp_path)
