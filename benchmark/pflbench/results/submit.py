@@ -127,6 +127,9 @@ def check_privacy(privacy: dict | None, config: RunConfig, budget: Budget, where
         return
     if privacy is None or not privacy.get("dp"):
         raise UserError(f"{where}: budget {budget.name!r} needs a DP privacy claim; none found")
+    sigma_dp = privacy.get("sigma_dp")
+    if not isinstance(sigma_dp, int | float) or not sigma_dp > 0:
+        raise UserError(f"{where}: privacy.sigma_dp must be a number > 0, got {sigma_dp!r}")
     recipe = config.recipe
     expected = {
         "clip_bound": recipe.privacy.clip_bound,
@@ -155,7 +158,7 @@ def check_privacy(privacy: dict | None, config: RunConfig, budget: Budget, where
                 raise UserError(
                     f"{where}: privacy.{scale}.{key} is {claim.get(key)!r}, expected {value!r}"
                 )
-        fresh = check_scale(claim, privacy["sigma_dp"], budget.delta, f"{where}: privacy.{scale}")
+        fresh = check_scale(claim, sigma_dp, budget.delta, f"{where}: privacy.{scale}")
         if scale == "extrapolated":
             fresh_rdp_ext = fresh
     if fresh_rdp_ext > budget.epsilon * (1 + EXACT_RTOL):
