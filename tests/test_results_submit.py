@@ -266,3 +266,11 @@ def test_cli_submit_then_validate(tmp_path, dp_record):
     stored.write_text(stored.read_text().replace('"wer": 0.35', '"wer": 0.05'))
     result = CliRunner().invoke(app, ["results", "validate", *common])
     assert result.exit_code != 0 and "does not match its content" in str(result.exception)
+
+
+def test_a_real_run_directory_is_accepted(tmp_path):
+    """A run folder written by `pflbench run` (synth task, 2 central steps, checkpoints left out)."""
+    run_dir = Path(__file__).parent / "fixtures" / "results" / "run-synth"
+    accepted = submit(run_dir, tmp_path / "results", load_registry(), stale_ok=True)
+    assert accepted.path.parent == tmp_path / "results" / "synth-cv-en-ls-seed" / "eps7.2-high-pop"
+    assert accepted.record.privacy.extrapolated.epsilon["rdp"].epsilon <= 7.2
