@@ -269,7 +269,7 @@ def test_cli_submit_then_validate(tmp_path, dp_record):
 
 
 def test_a_real_run_directory_is_accepted(tmp_path):
-    """A run folder written by `pflbench run` (synth task, 2 central steps, checkpoints left out)."""
+    """A run folder written by `pflbench run` (synth task, 2 central steps, no checkpoints)."""
     run_dir = Path(__file__).parent / "fixtures" / "results" / "run-synth"
     accepted = submit(run_dir, tmp_path / "results", load_registry(), stale_ok=True)
     assert accepted.path.parent == tmp_path / "results" / "synth-cv-en-ls-seed" / "eps7.2-high-pop"
