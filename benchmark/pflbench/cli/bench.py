@@ -44,11 +44,14 @@ def register(app: typer.Typer) -> None:
         _print("privacy accounting", bench_privacy(), as_json)
 
     @bench.command("data")
-    def bench_data(as_json: bool = JsonOption) -> None:
+    def bench_data(
+        small: bool = typer.Option(True, help="Also time `data synth --size small` (minutes)."),
+        as_json: bool = JsonOption,
+    ) -> None:
         """Feature extraction speed, per-user load time, synthesis time."""
-        from pflbench.data.bench import bench_data
+        from pflbench.data.prepare import bench_data
 
-        _print("data pipeline", bench_data(), as_json)
+        _print("data pipeline", bench_data(include_small=small), as_json)
 
     @bench.command("model")
     def bench_model(
