@@ -6,7 +6,7 @@ A data root may hold (exactly as downloaded, nothing renamed):
   cv-corpus-*/<locale>/{train,dev,test,validated}.tsv + clips/, or the root may be one release
       folder (<locale>/...) or one locale folder; with several cv-corpus-* releases holding the
       locale, the error lists them and asks to point --data-root at one;
-  Hugging Face datasets (see hf.py).
+  Hugging Face datasets (save_to_disk folders or Parquet files, see hf.py).
 Text problems (empty or untokenizable transcripts, malformed rows) and missing audio files are
 skipped here and counted by reason; audio that cannot be decoded is counted when features are made.
 """

@@ -20,6 +20,14 @@ from pflbench.data.corpora import (
     librispeech_subset_dir,
 )
 from pflbench.data.features import FEATURE_CONFIG
+from pflbench.data.hf import (
+    commonvoice_hf_looked_for,
+    commonvoice_hf_manifest,
+    commonvoice_hf_parts,
+    librispeech_hf_looked_for,
+    librispeech_hf_manifest,
+    librispeech_hf_parts,
+)
 from pflbench.data.splits import apply_user_split, iid_reassign, users_digest
 from pflbench.data.store import FeatureStore, build_store
 from pflbench.data.synth import synthesize_cached
@@ -81,21 +89,32 @@ def data_root_for(
 def subset_manifest(
     root: Path, corpus: str, subset: str, locale: str | None, language: str, skips: Skips
 ) -> list[Entry]:
+    """The native corpus (LibriSpeech tree, Common Voice release) if present, else a Hugging Face
+    dataset (hf.py); the error lists every place looked at."""
     if corpus == "librispeech":
         folder = librispeech_subset_dir(root, subset)
-        if folder is None:
-            raise UserError(
-                f"LibriSpeech subset {subset!r} not found; looked for "
-                + ", ".join(librispeech_looked_for(root, subset))
-            )
-        return librispeech_manifest(folder, subset, language, skips)
-    tsv = commonvoice_tsv(root, locale or language, subset)
-    if tsv is None:
+        if folder is not None:
+            return librispeech_manifest(folder, subset, language, skips)
+        parts = librispeech_hf_parts(root, subset)
+        if parts:
+            return librispeech_hf_manifest(parts, subset, language, skips)
+        looked_for = librispeech_looked_for(root, subset) + librispeech_hf_looked_for(root, subset)
         raise UserError(
-            f"Common Voice {locale} split {subset!r} not found; looked for "
-            + ", ".join(commonvoice_looked_for(root, locale or language, subset))
+            f"LibriSpeech subset {subset!r} not found; looked for " + "; ".join(looked_for)
         )
-    return commonvoice_manifest(tsv, subset, language, skips)
+    locale = locale or language
+    tsv = commonvoice_tsv(root, locale, subset)
+    if tsv is not None:
+        return commonvoice_manifest(tsv, subset, language, skips)
+    parts = commonvoice_hf_parts(root, locale, subset)
+    if parts:
+        return commonvoice_hf_manifest(parts, subset, language, skips)
+    looked_for = commonvoice_looked_for(root, locale, subset) + commonvoice_hf_looked_for(
+        root, locale, subset
+    )
+    raise UserError(
+        f"Common Voice {locale} split {subset!r} not found; looked for " + "; ".join(looked_for)
+    )
 
 
 def source_manifest(
@@ -243,8 +262,9 @@ def bench_data(include_small: bool = True) -> dict:
 
     import torch
 
+    from pflbench.data.audio import read_audio_file
     from pflbench.data.features import log_mel
-    from pflbench.data.store import features_of, read_audio_file
+    from pflbench.data.store import features_of
     from pflbench.data.synth import synthesize
 
     threads = torch.get_num_threads()

@@ -19,16 +19,16 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import soundfile as sf
 import torch
 
+from pflbench.data.audio import AudioError, read_audio_file
 from pflbench.data.corpora import Entry, Skips
 from pflbench.data.features import N_MELS, log_mel, resample
+from pflbench.data.hf import read_hf_audio
 from pflbench.data.text import tokenizer_for
 
 INDEX = "index.json"
 SHARD_UTTERANCES = 2000  # target rows per shard (a user is never split)
-TRUNCATION_TOLERANCE = 0.98  # MP3 frame counts are estimates; FLAC's are exact
 SCHEMA = pa.schema(
     [
         ("utt_id", pa.string()),
@@ -53,32 +53,14 @@ class Utterance:
 
 
 # ----------------------------------------------------------------------------------------------
-# Audio decoding (file path or Hugging Face row)
+# Audio (file path or Hugging Face row)
 
 AudioReader = Callable[[str], tuple[np.ndarray, int]]
 
 
-class AudioError(Exception):
-    """Audio that cannot be used; `reason` is the skip reason."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(reason)
-        self.reason = reason
-
-
-def read_audio_file(path: str) -> tuple[np.ndarray, int]:
-    """Mono float32 samples and the sample rate; truncated or corrupt files raise AudioError."""
-    if os.path.getsize(path) == 0:
-        raise AudioError("zero_length_audio")
-    try:
-        with sf.SoundFile(path) as f:
-            declared, rate = f.frames, f.samplerate
-            data = f.read(dtype="float32", always_2d=True)
-    except (sf.LibsndfileError, RuntimeError, EOFError):
-        raise AudioError("unreadable_audio") from None
-    if declared > 0 and len(data) < TRUNCATION_TOLERANCE * declared:
-        raise AudioError("truncated_audio")
-    return data.mean(axis=1), rate
+def read_audio(ref: str) -> tuple[np.ndarray, int]:
+    """Samples and rate of a manifest audio reference: a file path, or `hf:<part>#<row>`."""
+    return read_hf_audio(ref) if ref.startswith("hf:") else read_audio_file(ref)
 
 
 def features_of(wave: np.ndarray, rate: int) -> tuple[np.ndarray, float]:
@@ -154,7 +136,7 @@ def build_store(
     language: str,
     digest: str,
     report: dict,
-    read_audio: AudioReader = read_audio_file,
+    read_audio: AudioReader = read_audio,
     workers: int | None = None,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> FeatureStore:
