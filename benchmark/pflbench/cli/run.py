@@ -1,18 +1,91 @@
-"""CLI: run sweep. Not built yet: each command says so and exits non-zero."""
+"""CLI: `run` — one federated run (Algorithm 1 with user-level DP) into a run directory."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import typer
 
-from pflbench.errors import NotBuiltError
+from pflbench.cli.common import SpecsOption, console, extra_spec_dirs
+from pflbench.errors import UserError
+
+
+def _torchrun_argv(nproc: int) -> list[str]:
+    """This command again under torchrun, without --nproc (each rank then runs one process)."""
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if arg == "--nproc":
+            skip = True
+            continue
+        if arg.startswith("--nproc="):
+            continue
+        args.append(arg)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*launcher, f"--nproc_per_node={nproc}", "-m", "pflbench", *args]
 
 
 def register(app: typer.Typer) -> None:
-    @app.command("run", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _run() -> None:
-        """(not built yet)"""
-        raise NotBuiltError("'pflbench run' is not built yet")
+    @app.command("run")
+    def run_cmd(
+        task: str = typer.Option(..., "--task", help="Task name (see `pflbench tasks`)."),
+        baseline: str = typer.Option(..., "--baseline", help="Baseline name."),
+        budget: str = typer.Option("none", "--budget", help="Privacy budget name."),
+        seed: int = typer.Option(0, "--seed", help="Run seed (cohorts, batches, noise)."),
+        sets: list[str] = typer.Option(
+            None, "--set", help="Recipe override key.path=value (repeatable)."
+        ),
+        device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+        out: Path = typer.Option(
+            None,
+            "--out",
+            help="Run directory (default runs/<task>/<baseline>/<budget>/seed<N>-<hash8>).",
+        ),
+        resume: Path = typer.Option(
+            None, "--resume", help="Continue the run in this directory from its last checkpoint."
+        ),
+        data_root: Path = typer.Option(
+            None, "--data-root", help="Folder with the real corpora (also PFLBENCH_DATA)."
+        ),
+        specs: list[Path] = SpecsOption,
+        nproc: int = typer.Option(1, "--nproc", min=1, help="Processes to launch via torchrun."),
+        progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar."),
+        checkpoint_every: int = typer.Option(
+            10, "--checkpoint-every", min=1, help="Central steps between resumable checkpoints."
+        ),
+    ) -> None:
+        """Prepare data, train or reuse the seed model, run the central steps, evaluate, and
+        write the run directory with its result record."""
+        from pflbench.runner import default_run_dir, run
+        from pflbench.spec.registry import load_registry
+        from pflbench.spec.resolve import resolve
 
-    @app.command("sweep", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-    def _sweep() -> None:
-        """(not built yet)"""
-        raise NotBuiltError("'pflbench sweep' is not built yet")
-
+        if device not in ("cpu", "cuda"):
+            raise UserError(f"--device {device!r}: choose cpu or cuda")
+        if device == "cuda" and not __import__("torch").cuda.is_available():
+            raise UserError("--device cuda: no CUDA device is available to this torch build")
+        if out is not None and resume is not None and out != resume:
+            raise UserError("give either --out or --resume (the run directory to continue)")
+        config = resolve(
+            load_registry(extra_spec_dirs(specs)), task, baseline, budget, seed, sets or []
+        )
+        if nproc > 1 and "WORLD_SIZE" not in os.environ:
+            sys.exit(subprocess.call(_torchrun_argv(nproc)))
+        run_dir = resume or out or default_run_dir(config)
+        run_dir = run(
+            config,
+            out_dir=run_dir,
+            resume=resume is not None,
+            device=device,
+            data_root=data_root,
+            progress=progress,
+            checkpoint_every=checkpoint_every,
+        )
+        if int(os.environ.get("RANK", "0")) == 0:
+            console.print(f"run directory: {run_dir}")
+            console.print(f"result record: {run_dir / 'record.json'}")

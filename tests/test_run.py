@@ -1,0 +1,165 @@
+"""`pflbench run` end to end on the tiny synthetic corpora: every baseline writes a valid record,
+kill-and-resume ends in the same model, a NaN client is zeroed and counted, bad input fails fast."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from pflbench.errors import UserError
+from pflbench.fl.distributed import DistContext
+from pflbench.fl.simulator import Simulator
+from pflbench.model.transformer import build_model
+from pflbench.results.schema import load_record
+from pflbench.runner import run
+from pflbench.spec.models import Recipe
+from pflbench.spec.registry import load_registry
+from pflbench.spec.resolve import resolve
+
+TASK = "synth-tiny-test"
+BASELINES = sorted(p.stem for p in (Path(__file__).parents[1] / "baselines").glob("*.yaml"))
+RECIPE = {
+    "model": {"preset": "tiny"},
+    "central": {"optimizer": "adam", "lr": 0.002, "steps": 5, "batch_seconds": 20.0},
+    "federated": {
+        "central_steps": 3,
+        "cohort_size": 4,
+        "client": {"local_steps": 1, "batch_seconds": 10.0},
+        "eval_every": 2,
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def specs_dir(tmp_path_factory, tiny_task) -> Path:
+    root = tmp_path_factory.mktemp("specs")
+    (root / "tasks").mkdir()
+    task = tiny_task.model_dump(mode="json", exclude_none=True) | {"recipe": RECIPE}
+    (root / "tasks" / f"{TASK}.yaml").write_text(yaml.safe_dump(task))
+    return root
+
+
+@pytest.fixture
+def env(monkeypatch, tiny_cache_dir, tiny_task_data, specs_dir) -> Path:
+    monkeypatch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
+    return specs_dir
+
+
+def _config(specs: Path, baseline: str, budget: str = "none", sets=None):
+    return resolve(load_registry([specs]), TASK, baseline, budget, 0, sets or [])
+
+
+@pytest.mark.parametrize("baseline", BASELINES)
+def test_each_baseline_writes_a_valid_record(env, tmp_path, baseline):
+    budget = "none" if baseline == "fedavg" else "eps7.2-high-pop"
+    run_dir = run(_config(env, baseline, budget), out_dir=tmp_path / "run", progress=False)
+    record, _ = load_record(run_dir / "record.json")
+    assert (run_dir / "DONE").is_file() and record.kind == "run" and record.baseline == baseline
+    assert set(record.metrics.final) == {"cv-dev", "cv-test", "ls-dev-clean"}
+    assert record.metrics.seed_model is not None
+    assert {h.step for h in record.metrics.history} == {2, 3}
+    assert record.privacy.dp == (budget != "none")
+    assert record.compute.central_steps == 3 and record.diagnostics.nonfinite_updates == 0
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == [0, 1, 2]
+    assert all(x["diagnostics"]["private"] is False for x in lines if "loss" in x)
+    epsilons = [x["epsilon_rdp"] for x in lines if "loss" in x]
+    if budget != "none":
+        assert 0 < epsilons[0] < epsilons[1] < epsilons[2]
+    else:
+        assert epsilons == [None, None, None]
+
+
+def test_fedavg_under_a_dp_budget_is_refused(env, tmp_path):
+    with pytest.raises(UserError, match="does not clip"):
+        run(_config(env, "fedavg", "eps7.2-high-pop"), out_dir=tmp_path / "r", progress=False)
+
+
+def _cli(*args: str, **kw) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "pflbench", "run", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        **kw,
+    )
+
+
+def test_real_task_without_corpora_fails_fast(tmp_path):
+    proc = _cli("--task", "cv-en-ls100-seed", "--baseline", "perlayer-dim",
+                "--data-root", str(tmp_path), "--out", str(tmp_path / "run"))  # fmt: skip
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert "synth" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_kill_and_resume_ends_in_the_same_model(env, tmp_path):
+    sets = ["federated.central_steps=12", "federated.eval_every=100"]
+    args = ["--task", TASK, "--baseline", "perlayer-dim", "--budget", "eps7.2-high-pop",
+            "--specs", str(env), "--no-progress", "--checkpoint-every", "2"]  # fmt: skip
+    for s in sets:
+        args += ["--set", s]
+    killed = tmp_path / "killed"
+    proc = _cli(*args, "--out", str(killed), env={**os.environ})
+    deadline = time.monotonic() + 120
+    while not (killed / "checkpoints" / "step-0000004.json").exists():
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "DONE").exists()
+    resumed = _cli(*args, "--resume", str(killed), env={**os.environ})
+    assert resumed.wait(timeout=300) == 0, resumed.communicate()
+
+    straight = run(_config(env, "perlayer-dim", "eps7.2-high-pop", sets),
+                   out_dir=tmp_path / "straight", progress=False)  # fmt: skip
+    a = load_file(killed / "checkpoints" / "final.safetensors")
+    b = load_file(straight / "checkpoints" / "final.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    lines = [json.loads(x) for x in (killed / "metrics.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines if "loss" in x] == list(range(12))
+
+
+class CorruptUser:
+    """The real federated store, with one utterance of one user turned into NaN features."""
+
+    def __init__(self, store, user: str):
+        self.store, self.user = store, user
+        self.users, self.user_seconds = store.users, store.user_seconds
+        self.user_num_utterances = store.user_num_utterances
+
+    def load_user(self, user: str):
+        utterances = self.store.load_user(user)
+        if user == self.user:
+            utterances[0].feats[:] = float("nan")
+        return utterances
+
+
+def test_nan_client_is_zeroed_counted_and_does_not_poison_the_model(tiny_task_data):
+    store = tiny_task_data.federated_train
+    users = sorted(store.users())
+    recipe = Recipe.model_validate(
+        {
+            "federated": {
+                "cohort_size": len(users),
+                "sampling": "fixed",
+                "client": {"local_steps": 2, "batch_seconds": 1000.0},
+            }
+        }  # fmt: skip
+    )
+    torch.manual_seed(0)
+    model = build_model("tiny", tiny_task_data.tokenizer.size)
+    sim = Simulator(model, CorruptUser(store, users[0]), recipe, 1e-3, 0, "cpu", DistContext())
+    stats = sim.run_step()
+    assert stats["nonfinite_updates"] == 1 and stats["clients"] == len(users)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert stats["loss"] == stats["loss"]  # the NaN client's loss is left out of the mean
