@@ -115,12 +115,11 @@ def _chunks(items: Iterable, size: int) -> Iterator[list]:
 def transcribe(
     model: CTCTransformer, utterances: Iterable, tokenizer, *, device, batch_seconds: float = 200.0
 ) -> list[Transcript]:
-    """Greedy transcripts of utterances, streamed in chunks and batched by similar length."""
+    """Greedy transcripts of utterances, streamed in chunks of 512, batched by similar length."""
     was_training = model.training
     model.eval()
     out: list[Transcript] = []
     for chunk in _chunks(utterances, 512):
-        chunk.sort(key=lambda u: u.seconds)
         for idx in dynamic_batches([u.seconds for u in chunk], batch_seconds):
             batch = collate([chunk[i] for i in idx]).to(device)
             log_probs, out_lens = model(batch.feats, batch.feat_lens)
