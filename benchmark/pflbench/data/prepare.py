@@ -30,7 +30,7 @@ from pflbench.data.hf import (
 )
 from pflbench.data.splits import apply_user_split, iid_reassign, users_digest
 from pflbench.data.store import FeatureStore, build_store
-from pflbench.data.synth import synthesize_cached
+from pflbench.data.synth import SYNTH_VERSION, synthesize_cached
 from pflbench.data.text import NORMALIZER_VERSION, Tokenizer, tokenizer_for
 from pflbench.errors import UserError
 from pflbench.spec.models import DataSource, EvalSet, Task
@@ -53,7 +53,8 @@ def cache_dir_default() -> Path:
 
 def synth_root(task: Task, cache_dir: Path | None = None) -> Path:
     s = task.synthetic
-    return (cache_dir or cache_dir_default()) / "synth" / f"{s.language}-{s.size}-seed{s.seed}"
+    name = f"{s.language}-{s.size}-seed{s.seed}-v{SYNTH_VERSION}"  # a new version: new corpora
+    return (cache_dir or cache_dir_default()) / "synth" / name
 
 
 def data_root_for(
@@ -254,6 +255,25 @@ class _nothing:
 # Benchmark (`pflbench bench data`)
 
 
+def timed_synthesis(out: Path, size: str, results: dict) -> Path:
+    """Synthesizes English corpora of `size` into `out`, recording wall and CPU seconds (this
+    process and the workers): the machine may be shared, the CPU seconds tell the cost."""
+    import resource
+    import time
+
+    from pflbench.data.synth import synthesize
+
+    def own_cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+    start, cpu_start, report = time.perf_counter(), own_cpu(), {}
+    synthesize(out, "en", size, seed=0, report=report)
+    results[f"synth_{size}_seconds"] = time.perf_counter() - start
+    results[f"synth_{size}_cpu_seconds"] = own_cpu() - cpu_start + report["worker_cpu_seconds"]
+    return out
+
+
 def bench_data(include_small: bool = True) -> dict:
     """Feature extraction speed per core, per-user load time (small vs large user), synthesis
     time for tiny (and small) corpora. Prints and returns the figures."""
@@ -265,7 +285,6 @@ def bench_data(include_small: bool = True) -> dict:
     from pflbench.data.audio import read_audio_file
     from pflbench.data.features import log_mel
     from pflbench.data.store import features_of
-    from pflbench.data.synth import synthesize
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -276,9 +295,7 @@ def bench_data(include_small: bool = True) -> dict:
         log_mel(wave)
     results["log_mel_audio_seconds_per_second_per_core"] = 300 / (time.perf_counter() - start)
     with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
-        root = synthesize(Path(tmp) / "tiny", "en", "tiny", seed=0)
-        results["synth_tiny_seconds"] = time.perf_counter() - start
+        root = timed_synthesis(Path(tmp) / "tiny", "tiny", results)
         clips = sorted((root / "cv-corpus-13.0-2023-03-09" / "en" / "clips").glob("*.mp3"))[:50]
         start, audio = time.perf_counter(), 0.0
         for clip in clips:
@@ -306,9 +323,7 @@ def bench_data(include_small: bool = True) -> dict:
                 "load_ms": (time.perf_counter() - start) / 20 * 1000,
             }
         if include_small:
-            start = time.perf_counter()
-            synthesize(Path(tmp) / "small", "en", "small", seed=0)
-            results["synth_small_seconds"] = time.perf_counter() - start
+            timed_synthesis(Path(tmp) / "small", "small", results)
     results["cpu_cores"] = os.cpu_count()
     for key, value in results.items():
         print(f"{key}: {json.dumps(value, default=lambda x: round(x, 3))}")
