@@ -142,15 +142,16 @@ def saved_table(folder: Path) -> pa.Table:
 
 
 def read_columns(part: Path, columns: tuple[str, ...]) -> pa.Table:
+    """The text columns of a part (a Parquet file's audio bytes are not read here)."""
     try:
-        schema = pq.read_schema(part) if part.is_file() else saved_table(part).schema
-        missing = [c for c in (*columns, "audio") if c not in schema.names]
-        if missing:
-            raise UserError(f"{part}: no column(s) {', '.join(missing)} (has {schema.names})")
-        return pq.read_table(part, columns=list(columns)) if part.is_file() else (
-            saved_table(part).select(list(columns)))  # fmt: skip
+        saved = saved_table(part) if part.is_dir() else None
+        schema = pq.read_schema(part) if saved is None else saved.schema
     except (pa.ArrowException, OSError, KeyError, json.JSONDecodeError) as err:
         raise UserError(f"{part}: not a readable Hugging Face dataset ({err})") from None
+    missing = [c for c in (*columns, "audio") if c not in schema.names]
+    if missing:
+        raise UserError(f"{part}: no column(s) {', '.join(missing)} (has {schema.names})")
+    return pq.read_table(part, columns=list(columns)) if saved is None else saved.select(columns)
 
 
 def hf_manifest(
