@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 
 import typer
+from rich.markup import escape
 
 from pflbench import __version__
 from pflbench.cli.common import err_console
@@ -56,5 +57,5 @@ def main() -> None:
     except UserError as exc:
         if _debug:
             raise
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False)
+        err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False)
         sys.exit(2)
