@@ -40,7 +40,11 @@ from pflbench.data.text import letters
 
 CV_RELEASE = "cv-corpus-13.0-2023-03-09"
 MP3_KBPS = 64
-SYNTH_VERSION = 2  # bumped whenever the bytes written change
+# Vocabularies: LS-like is book-like (few words, often repeated); CV-like is wider and flatter,
+# a superset that federated fine-tuning has to learn but can, at CPU scale, learn.
+LS_VOCABULARY = 600
+CV_VOCABULARY = 1500
+SYNTH_VERSION = 4  # bumped whenever the bytes written change
 COMPLETE_MARKER = "pflbench-synth.json"
 LS_SUBSETS = {"train": "train-clean-100", "dev": "dev-clean", "test": "test-clean"}
 CV_COLUMNS = [
@@ -132,26 +136,32 @@ class Voice:
     range_: int
     snr_db: float | None  # None: clean
     gain_db: float
+    # espeak's pause between words (10 ms units): read LS-like speech separates words a little,
+    # which a character CTC model without a language model needs to place word boundaries.
+    word_gap: int
 
 
 def ls_voice(rng: np.random.Generator, language: str) -> Voice:
     name = f"{rng.choice(LS_ACCENTS[language])}+{rng.choice(LS_VARIANTS)}"
     return Voice(name, int(rng.integers(150, 186)), int(rng.integers(35, 66)),
-                 int(rng.integers(40, 61)), None, 0.0)  # fmt: skip
+                 int(rng.integers(40, 61)), None, 0.0, int(rng.integers(2, 5)))  # fmt: skip
 
 
 def cv_voice(rng: np.random.Generator, language: str) -> Voice:
     name = f"{rng.choice(CV_ACCENTS[language])}+{rng.choice(CV_VARIANTS)}"
     rate, pitch, range_ = rng.integers(130, 231), rng.integers(15, 91), rng.integers(20, 91)
-    snr_db, gain_db = rng.uniform(5, 30), rng.uniform(-18, 3)
-    return Voice(name, int(rate), int(pitch), int(range_), float(snr_db), float(gain_db))
+    snr_db, gain_db = rng.uniform(10, 35), rng.uniform(-18, 3)
+    word_gap = int(rng.integers(0, 3))
+    return Voice(name, int(rate), int(pitch), int(range_), float(snr_db), float(gain_db), word_gap)
 
 
 def speak(text: str, voice: Voice, rng: np.random.Generator, sr_out: int) -> np.ndarray:
     """float32 audio at sr_out: espeak at 22.05 kHz, then noise and gain, then soxr resampling."""
     tts = Espeak.instance()
     seed = int(rng.integers(2**31))
-    wave = tts.synth(text, voice.name, voice.rate, voice.pitch, voice.range_, seed=seed)
+    wave = tts.synth(
+        text, voice.name, voice.rate, voice.pitch, voice.range_, wordgap=voice.word_gap, seed=seed
+    )
     wave = wave.astype(np.float32)
     wave /= 32768.0
     if voice.snr_db is not None:
@@ -205,7 +215,7 @@ class CvUsersUnit:
 def run_ls_speaker(unit: LsSpeakerUnit) -> tuple[int, str, float]:
     """Writes one speaker's chapters; returns (speaker, sex, minutes)."""
     rng = np.random.default_rng([unit.seed, 1, unit.speaker])
-    words = vocabulary(unit.language, 1000)
+    words = vocabulary(unit.language, LS_VOCABULARY)
     weights = zipf_weights(len(words), 10, 1.0)
     voice = ls_voice(rng, unit.language)
     chapters = [int(c) for c in sorted(rng.choice(np.arange(1000, 9999), 2, replace=False))]
@@ -234,7 +244,7 @@ def run_ls_speaker(unit: LsSpeakerUnit) -> tuple[int, str, float]:
 
 def run_cv_users(unit: CvUsersUnit) -> list[list[str]]:
     """Writes the clips of a group of users; returns their TSV rows."""
-    words = vocabulary(unit.language, 5000)
+    words = vocabulary(unit.language, CV_VOCABULARY)
     weights = zipf_weights(len(words), 50, 0.9)
     rows = []
     for client_id, n_clips, first in unit.users:
