@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import matplotlib.image
 import pyarrow.parquet as pq
+import pytest
 from typer.testing import CliRunner
 
 from pflbench.cli import app
@@ -19,7 +21,14 @@ from pflbench.results.sweep import plan_sweep, run_sweep
 
 REPO = Path(__file__).parents[1]
 GOLDEN = Path(__file__).parent / "fixtures" / "results" / "golden" / "results"
-PAPER = REPO / "results"
+
+
+@pytest.fixture
+def paper_results(tmp_path) -> Path:
+    """A results root holding only the repository's paper reference rows (not its run rows)."""
+    root = tmp_path / "paper-results"
+    shutil.copytree(REPO / "results" / "paper", root / "paper")
+    return root
 
 
 def assert_image(path: Path) -> None:
@@ -30,8 +39,8 @@ def assert_image(path: Path) -> None:
     assert svg.lstrip().startswith("<?xml") and "<svg" in svg and "Date" not in svg
 
 
-def test_result_plots_from_paper_rows(tmp_path):
-    report = plot_results(load_results(PAPER), tmp_path / "a")
+def test_result_plots_from_paper_rows(tmp_path, paper_results):
+    report = plot_results(load_results(paper_results), tmp_path / "a")
     names = sorted(p.name for p in report.written)
     assert names == sorted(
         f"cv-en-ls100-seed-{kind}.{ext}"
@@ -41,7 +50,7 @@ def test_result_plots_from_paper_rows(tmp_path):
     for path in report.written:
         if path.suffix == ".png":
             assert_image(path)
-    again = plot_results(load_results(PAPER), tmp_path / "b")
+    again = plot_results(load_results(paper_results), tmp_path / "b")
     for first, second in zip(report.written, again.written, strict=True):
         assert first.read_bytes() == second.read_bytes(), f"{first.name} is not deterministic"
 
@@ -103,15 +112,22 @@ def test_export_parquet(tmp_path):
     assert all(json.loads(row["record_json"])["record_id"] == rid for rid, row in by_id.items())
 
 
-def test_cli_plot_and_export(tmp_path):
+def test_cli_plot_and_export(tmp_path, paper_results):
     runner = CliRunner()
     result = runner.invoke(
-        app, ["plot", "--results", str(PAPER), "--out", str(tmp_path), "--task", "nope"]
+        app, ["plot", "--results", str(paper_results), "--out", str(tmp_path), "--task", "nope"]
     )
     assert result.exit_code != 0 and "no records of this task" in str(result.exception)
     result = runner.invoke(
         app,
-        ["results", "export", "--parquet", str(tmp_path / "r.parquet"), "--results", str(PAPER)],
+        [
+            "results",
+            "export",
+            "--parquet",
+            str(tmp_path / "r.parquet"),
+            "--results",
+            str(paper_results),
+        ],
     )
     assert result.exit_code == 0 and pq.read_table(tmp_path / "r.parquet").num_rows == 16
 
