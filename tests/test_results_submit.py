@@ -15,13 +15,12 @@ from pflbench.results.leaderboard import load_results, render_leaderboard
 from pflbench.results.schema import (
     MAX_RECORD_BYTES,
     compute_record_id,
-    config_dict_hash,
     load_record,
     safe_name,
 )
 from pflbench.results.submit import record_path, submit
 from pflbench.spec.registry import load_registry
-from pflbench.spec.resolve import resolve
+from pflbench.spec.resolve import config_json_hash, resolve
 
 SPECS = Path(__file__).parent / "fixtures" / "results" / "specs"
 SIGMA_DP = 0.01  # z = 1 at the fx-dp budget's cohort of 100: ε(rdp) ≈ 1.42 ≤ 1.5
@@ -36,7 +35,7 @@ def registry():
 def finalize(record: dict) -> dict:
     """Recompute the hashes a run would have written for this (possibly edited) record."""
     if record.get("config") is not None:
-        record["config_hash"] = config_dict_hash(record["config"])
+        record["config_hash"] = config_json_hash(record["config"])
     record["record_id"] = compute_record_id(record)
     return record
 

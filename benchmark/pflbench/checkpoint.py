@@ -27,7 +27,8 @@ def meta_path(path: Path) -> Path:
     return path.with_suffix(".json")
 
 
-def _atomic_write(path: Path, write) -> None:
+def atomic_write(path: Path, write) -> None:
+    """`write(tmp)` to a name beside `path`, then rename: readers never see half a file."""
     tmp = path.with_name(f".{path.name}.tmp")
     write(tmp)
     os.replace(tmp, path)
@@ -37,9 +38,9 @@ def save_checkpoint(path: Path, tensors: dict[str, Tensor], meta: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
-    _atomic_write(path, lambda tmp: save_file(cpu, str(tmp)))
+    atomic_write(path, lambda tmp: save_file(cpu, str(tmp)))
     text = json.dumps(meta, indent=2, sort_keys=True, default=str)
-    _atomic_write(meta_path(path), lambda tmp: tmp.write_text(text))
+    atomic_write(meta_path(path), lambda tmp: tmp.write_text(text))
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict]:

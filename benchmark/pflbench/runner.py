@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from pflbench import __version__
-from pflbench.checkpoint import load_checkpoint, save_checkpoint, save_model
+from pflbench.checkpoint import atomic_write, load_checkpoint, save_checkpoint, save_model
 from pflbench.errors import UserError
 from pflbench.fl.distributed import DistContext, barrier, init_from_env, shutdown
 from pflbench.fl.freeze import layer_scores, select_trained
@@ -64,9 +64,7 @@ def default_run_dir(config: RunConfig, root: Path = Path("runs")) -> Path:
 
 
 def write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    atomic_write(path, lambda tmp: tmp.write_text(text))
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

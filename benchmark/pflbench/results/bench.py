@@ -13,10 +13,10 @@ from pflbench.results.schema import (
     RECORD_SCHEMA_VERSION,
     ResultRecord,
     compute_record_id,
-    config_dict_hash,
 )
 from pflbench.results.submit import record_path
 from pflbench.spec.models import Baseline, Budget, DataSource, EvalSet, Recipe, RunConfig, Task
+from pflbench.spec.resolve import config_json_hash
 
 TARGET_SECONDS = 5.0
 
@@ -70,7 +70,7 @@ def synthetic_record(
         "baseline": config["baseline"]["name"],
         "budget": config["budget"]["name"],
         "seed": config["seed"],
-        "config_hash": config_dict_hash(config),
+        "config_hash": config_json_hash(config),
         "config": config,
         "metrics": {
             "final": {name: {"role": roles[name], "wer": wer} for name, wer in wers.items()},

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pflbench.errors import UserError
-from pflbench.results.schema import ResultRecord, config_dict_hash, load_record
+from pflbench.results.schema import ResultRecord, load_record
 from pflbench.spec.models import Budget
+from pflbench.spec.resolve import config_json_hash
 
 PAPER_DIR = "paper"
 SCHEMA_FILE = "schema.json"
@@ -91,7 +92,7 @@ def group_key(record: ResultRecord) -> tuple[str, str]:
     if record.kind == "reference" or record.config is None:
         return record.baseline, f"reference:{record.record_id}"
     without_seed = {key: value for key, value in record.config.items() if key != "seed"}
-    return record.baseline, config_dict_hash(without_seed)
+    return record.baseline, config_json_hash(without_seed)
 
 
 def group_rows(records: list[ResultRecord]) -> list[Row]:

@@ -199,11 +199,6 @@ def compute_record_id(record: dict) -> str:
     return hashlib.sha256(canonical_json(body).encode()).hexdigest()[:16]
 
 
-def config_dict_hash(config: dict) -> str:
-    """Equals spec.resolve.config_hash(cfg) when `config` is cfg.model_dump(mode="json")."""
-    return hashlib.sha256(canonical_json(config).encode()).hexdigest()
-
-
 def safe_name(name: str, what: str) -> str:
     """A name from a record, checked before it becomes a path component (no '/', '..', '~')."""
     if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):

@@ -16,13 +16,13 @@ from pydantic import ValidationError
 from pflbench.errors import UserError
 from pflbench.results.schema import (
     ResultRecord,
-    config_dict_hash,
     load_record,
     read_json_file,
     safe_name,
 )
 from pflbench.spec.models import Budget, RunConfig
 from pflbench.spec.registry import Registry, format_validation_error
+from pflbench.spec.resolve import config_json_hash
 
 EPSILON_RTOL = 1e-3  # recomputed ε vs claimed ε; accountants are deterministic, this is float slack
 EXACT_RTOL = 1e-9  # z = σ_DP·S and q = S/K are products of the claim's own numbers
@@ -60,7 +60,7 @@ def check_config(record: ResultRecord, raw: dict, where: str) -> RunConfig:
         config = RunConfig.model_validate(raw["config"])
     except ValidationError as exc:
         raise UserError(format_validation_error(f"{where}: config", exc)) from None
-    actual = config_dict_hash(raw["config"])
+    actual = config_json_hash(raw["config"])
     if actual != record.config_hash:
         raise UserError(
             f"{where}: config_hash {record.config_hash} does not match the stored config "
@@ -86,7 +86,7 @@ def check_run_dir_config(run_dir: Path, record: ResultRecord) -> None:
     """The run directory's config.json is the config the record was made from."""
     path = run_dir / "config.json"
     stored = read_json_file(path)
-    if not isinstance(stored, dict) or config_dict_hash(stored) != record.config_hash:
+    if not isinstance(stored, dict) or config_json_hash(stored) != record.config_hash:
         raise UserError(
             f"{path}: the resolved config of the run does not match the record's config_hash "
             f"{record.config_hash}"

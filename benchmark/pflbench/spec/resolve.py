@@ -83,5 +83,10 @@ def canonical_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
 
 
+def config_json_hash(config_json: dict) -> str:
+    """sha256 of a resolved config's JSON (RunConfig.model_dump(mode="json"), or as stored)."""
+    return hashlib.sha256(canonical_json(config_json).encode()).hexdigest()
+
+
 def config_hash(config: RunConfig) -> str:
-    return hashlib.sha256(canonical_json(config.model_dump(mode="json")).encode()).hexdigest()
+    return config_json_hash(config.model_dump(mode="json"))
