@@ -163,3 +163,22 @@ def test_nan_client_is_zeroed_counted_and_does_not_poison_the_model(tiny_task_da
     assert stats["nonfinite_updates"] == 1 and stats["clients"] == len(users)
     assert all(torch.isfinite(p).all() for p in model.parameters())
     assert stats["loss"] == stats["loss"]  # the NaN client's loss is left out of the mean
+
+
+def test_rerunning_a_finished_run_reports_it_and_an_unfinished_one_needs_resume(tmp_path):
+    from pflbench.errors import UserError
+    from pflbench.runner import prepare_run_dir
+    from pflbench.spec.registry import load_registry
+    from pflbench.spec.resolve import resolve
+
+    reg = load_registry()
+    config = resolve(reg, "synth-cv-en-ls-seed", "perlayer-dim", "none", 0)
+    other = resolve(reg, "synth-cv-en-ls-seed", "perlayer-dim", "none", 1)
+    run_dir = tmp_path / "run"
+    prepare_run_dir(config, run_dir, resume=False)
+    with pytest.raises(UserError, match="unfinished run"):
+        prepare_run_dir(config, run_dir, resume=False)
+    (run_dir / "DONE").write_text("done\n")
+    prepare_run_dir(config, run_dir, resume=False)  # the same finished run: accepted
+    with pytest.raises(UserError, match="differs"):
+        prepare_run_dir(other, run_dir, resume=False)

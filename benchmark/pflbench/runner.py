@@ -80,22 +80,28 @@ def prune_checkpoints(run_dir: Path, keep: Path) -> None:
 
 
 def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> None:
+    """Create the run directory, or check that an existing one holds this very config.
+
+    An identical run that already finished is accepted without `--resume` (re-running the same
+    command, e.g. `make demo`, reports it); an unfinished one needs `--resume`."""
     config_json = json.dumps(config.model_dump(mode="json"), indent=2, sort_keys=True)
     existing = run_dir / "config.json"
-    if resume:
+    finished = (run_dir / "DONE").is_file()
+    if resume or finished:
         if not existing.is_file():
             raise UserError(f"--resume {run_dir}: no config.json there (not a run directory)")
         if canonical_json(json.loads(existing.read_text())) != canonical_json(
             config.model_dump(mode="json")
         ):
             raise UserError(
-                f"--resume {run_dir}: its config.json differs from this command's resolved config "
-                "(resume with the same --task/--baseline/--budget/--seed/--set)"
+                f"{run_dir}: its config.json differs from this command's resolved config "
+                "(resume with the same --task/--baseline/--budget/--seed/--set, "
+                "or choose another --out)"
             )
         return
     if existing.is_file():
         raise UserError(
-            f"{run_dir} already holds a run; continue it with --resume {run_dir} "
+            f"{run_dir} already holds an unfinished run; continue it with --resume {run_dir} "
             "or choose another --out"
         )
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
@@ -242,7 +248,7 @@ def run(
     try:
         if ctx.is_main:
             prepare_run_dir(config, run_dir, resume)
-        if resume and (run_dir / "DONE").is_file():
+        if (run_dir / "DONE").is_file():
             return run_dir
         barrier(ctx)
         options = (data_root, progress, checkpoint_every, stop_after, started)
