@@ -78,6 +78,40 @@ def test_each_baseline_writes_a_valid_record(env, tmp_path, baseline):
         assert epsilons == [None, None, None]
 
 
+def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) per tag, as TensorBoard itself reads the event files (purges included)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_tensorboard_mirrors_the_metrics_log(env, tmp_path):
+    run_dir = run(_config(env, "perlayer-dim", "eps7.2-high-pop"), out_dir=tmp_path / "run",
+                  progress=False)  # fmt: skip
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    scalars = tensorboard_scalars(run_dir)
+    training = [x for x in lines if "loss" in x]
+    # TensorBoard's x axis counts steps done: training line k is drawn at k + 1.
+    assert scalars["train/loss"] == [(x["step"] + 1, pytest.approx(x["loss"])) for x in training]
+    assert [v for _, v in scalars["privacy/epsilon_rdp"]] == pytest.approx(
+        [x["epsilon_rdp"] for x in training]
+    )
+    evals = [(x["step"], x["eval"]["cv-dev"]["wer"]) for x in lines if "eval" in x]
+    assert scalars["eval/cv-dev/wer"] == [(s, pytest.approx(w)) for s, w in evals]
+    assert "eval/cv-test/cer" in scalars and "diagnostics/clipped_fraction" in scalars
+    layer_tags = [t for t in scalars if t.startswith("layer_norm_mean/")]
+    assert len(layer_tags) == len(training[0]["diagnostics"]["layer_norm_mean"])
+
+
+def test_without_tensorboard_the_run_still_logs_jsonl(env, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # as if not installed
+    run_dir = run(_config(env, "perlayer-dim"), out_dir=tmp_path / "run", progress=False)
+    assert not (run_dir / "tensorboard").exists()
+    assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3 + 2
+
+
 def test_fedavg_under_a_dp_budget_is_refused(env, tmp_path):
     with pytest.raises(UserError, match="does not clip"):
         run(_config(env, "fedavg", "eps7.2-high-pop"), out_dir=tmp_path / "r", progress=False)
@@ -127,6 +161,8 @@ def test_kill_and_resume_ends_in_the_same_model(env, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     lines = [json.loads(x) for x in (killed / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == list(range(12))
+    # TensorBoard purged the killed run's events after the checkpoint: each step once.
+    assert [step for step, _ in tensorboard_scalars(killed)["train/loss"]] == list(range(1, 13))
 
 
 class CorruptUser:

@@ -3,6 +3,7 @@
     runs/<task>/<baseline>/<budget>/seed<N>-<hash8>/
         config.json     the resolved RunConfig
         metrics.jsonl   one line per central step (loss, ε so far, lr, diagnostics) and per eval
+        tensorboard/    the same scalars as TensorBoard events (when tensorboard is installed)
         checkpoints/    step-XXXXXXX.safetensors (+ .json): model, server state, step, metrics
                         final.safetensors (+ .json): the final model (loadable by load_model)
         record.json     the result record (pflbench.results.schema.ResultRecord)
@@ -35,6 +36,7 @@ from pflbench.fl.distributed import DistContext, barrier, init_from_env, shutdow
 from pflbench.fl.freeze import layer_scores, select_trained
 from pflbench.fl.sampling import keyed_seed, sampling_rate
 from pflbench.fl.simulator import Simulator
+from pflbench.metrics_log import MetricsLog
 from pflbench.spec.models import RunConfig
 from pflbench.spec.resolve import canonical_json, config_hash
 
@@ -342,10 +344,8 @@ def _run(config, run_dir, ctx, device, data_root, progress, checkpoint_every, st
         sim.load_state_dict(tensors)
     lines: list[dict] = meta.get("metrics", [])
     seed_results = meta.get("seed_results")
-    if ctx.is_main:
-        if seed_results is None:
-            seed_results = eval_summary(evaluate(sim.model, data, config, {"dev", "test"}, device))
-        write_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
+    if ctx.is_main and seed_results is None:
+        seed_results = eval_summary(evaluate(sim.model, data, config, {"dev", "test"}, device))
 
     def save(step_lines: list[dict]) -> None:
         if not ctx.is_main:
@@ -361,7 +361,7 @@ def _run(config, run_dir, ctx, device, data_root, progress, checkpoint_every, st
         save_checkpoint(path, sim.state_dict(), meta)
         prune_checkpoints(run_dir, path)
 
-    log = open(run_dir / "metrics.jsonl", "a") if ctx.is_main else None  # noqa: SIM115
+    log = MetricsLog(run_dir, lines, sim.step) if ctx.is_main else None
     try:
         with progress_bar(progress and ctx.is_main, fed.central_steps, sim.step) as advance:
             while sim.step < fed.central_steps:
@@ -387,20 +387,20 @@ def _run(config, run_dir, ctx, device, data_root, progress, checkpoint_every, st
                     new.append({"step": sim.step, "eval": _wer_cer(dev)})
                 lines += new
                 if log is not None:
-                    log.write("".join(json.dumps(x) + "\n" for x in new))
-                    log.flush()
+                    log.append(new)
                 advance(line)
                 if is_eval or sim.step % checkpoint_every == 0:
                     save(lines)
+        save(lines)
+        if log is not None:
+            final = evaluate(sim.model, data, config, {"dev", "test"}, device)
+            lines.append({"step": sim.step, "eval": _wer_cer(final)})
+            log.append(lines[-1:])
     finally:
         if log is not None:
             log.close()
 
-    save(lines)
     if ctx.is_main:
-        final = evaluate(sim.model, data, config, {"dev", "test"}, device)
-        lines.append({"step": sim.step, "eval": _wer_cer(final)})
-        write_atomic(run_dir / "metrics.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
         final_meta = {
             "kind": "federated",
             "config_hash": config_hash(config),
