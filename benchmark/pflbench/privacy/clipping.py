@@ -43,13 +43,17 @@ def layer_bounds(sizes: Sequence[int], bound: float, mode: Literal["uniform", "d
 
 
 def layer_norms(tensors: Sequence[Tensor]) -> Tensor:
-    """fp32 [H] L2 norm of each tensor, accumulated in at least fp32 (fp16 squares overflow)."""
-    return torch.stack(
-        [
-            torch.linalg.vector_norm(t, dtype=torch.promote_types(t.dtype, torch.float32)).float()
-            for t in tensors
-        ]
-    )
+    """fp32 [H] L2 norm of each tensor, accumulated in at least fp32 (fp16 squares overflow).
+    One fused kernel per accumulation dtype, not one launch per tensor."""
+    groups: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        groups.setdefault(torch.promote_types(t.dtype, torch.float32), []).append(i)
+    norms: list[Tensor] = [torch.empty(())] * len(tensors)
+    for dtype, index in groups.items():
+        group_norms = torch._foreach_norm([tensors[i] for i in index], 2, dtype=dtype)
+        for i, norm in zip(index, group_norms, strict=True):
+            norms[i] = norm.float()
+    return torch.stack(norms)
 
 
 def rounding_margin(dtype: torch.dtype) -> float:
@@ -107,7 +111,8 @@ def zero_if_nonfinite(update: dict[str, Tensor]) -> bool:
     A zero update is inside every clipping bound, so replacing a broken user keeps DP intact.
     """
     tensors = list(update.values())
-    finite = torch.stack([torch.isfinite(t).all() for t in tensors]).all()
+    # The max-abs norm is NaN or Inf exactly when the tensor holds a NaN or an Inf.
+    finite = torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf")))).all()
     if bool(finite):
         return False
     torch._foreach_zero_(tensors)
