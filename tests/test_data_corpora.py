@@ -70,6 +70,22 @@ def test_small_size_plans_heavy_tailed_users() -> None:
     assert len(clips) > 1000 and np.median(clips) <= 2 and max(clips) >= 100
 
 
+def high_band_fraction(path: Path) -> float:
+    """Fraction of the 0-8 kHz energy above 4.5 kHz."""
+    wave, rate = sf.read(path, dtype="float32")
+    power = np.abs(np.fft.rfft(wave)) ** 2
+    freq = np.fft.rfftfreq(len(wave), 1 / rate)
+    return float(power[(freq > 4500) & (freq < 8000)].sum() / power[freq < 8000].sum())
+
+
+def test_cv_like_clips_come_through_band_limited_microphones(tiny_corpus_root: Path) -> None:
+    cv = sorted((tiny_corpus_root / CV / "clips").glob("*.mp3"))[:20]
+    ls = sorted((tiny_corpus_root / "LibriSpeech").rglob("*.flac"))[:20]
+    cv_high = np.median([high_band_fraction(p) for p in cv])
+    ls_high = np.median([high_band_fraction(p) for p in ls])
+    assert cv_high < 0.5 * ls_high, (cv_high, ls_high)
+
+
 def test_synthesis_is_byte_for_byte_deterministic(tiny_corpus_root: Path, tmp_path: Path) -> None:
     again = synthesize(tmp_path / "again", "en", "tiny", seed=0)
     assert tree_digest(again) == tree_digest(tiny_corpus_root)
