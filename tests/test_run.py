@@ -112,6 +112,19 @@ def test_without_tensorboard_the_run_still_logs_jsonl(env, tmp_path, monkeypatch
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 3 + 2
 
 
+def test_parallel_clients_give_the_same_run_to_float_tolerance(env, tmp_path):
+    config = _config(env, "perlayer-dim", "eps7.2-high-pop")
+    one = run(config, out_dir=tmp_path / "one", progress=False)
+    grouped = run(config, out_dir=tmp_path / "grouped", progress=False, parallel_clients=3)
+    record, _ = load_record(grouped / "record.json")
+    assert record.compute.parallel_clients == 3
+    a = load_file(one / "checkpoints" / "final.safetensors")
+    b = load_file(grouped / "checkpoints" / "final.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
+
+
 def test_fedavg_under_a_dp_budget_is_refused(env, tmp_path):
     with pytest.raises(UserError, match="does not clip"):
         run(_config(env, "fedavg", "eps7.2-high-pop"), out_dir=tmp_path / "r", progress=False)

@@ -13,17 +13,16 @@ with no reference words at all has WER None.
 
 from __future__ import annotations
 
-import itertools
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import jiwer
 import torch
 
-from pflbench.data.batching import collate, dynamic_batches
+from pflbench.data.batching import chunks, collate, dynamic_batches
 from pflbench.model.transformer import CTCTransformer, greedy_decode
 
 
@@ -105,12 +104,6 @@ def _quantile(values: list[float], q: float) -> float | None:
 # Transcribing a store
 
 
-def _chunks(items: Iterable, size: int) -> Iterator[list]:
-    it = iter(items)
-    while chunk := list(itertools.islice(it, size)):
-        yield chunk
-
-
 @torch.no_grad()
 def transcribe(
     model: CTCTransformer, utterances: Iterable, tokenizer, *, device, batch_seconds: float = 200.0
@@ -119,7 +112,7 @@ def transcribe(
     was_training = model.training
     model.eval()
     out: list[Transcript] = []
-    for chunk in _chunks(utterances, 512):
+    for chunk in chunks(utterances, 512):
         for idx in dynamic_batches([u.seconds for u in chunk], batch_seconds):
             batch = collate([chunk[i] for i in idx]).to(device)
             log_probs, out_lens = model(batch.feats, batch.feat_lens)

@@ -238,9 +238,12 @@ def run(
     progress: bool = True,
     checkpoint_every: int = CHECKPOINT_EVERY,
     stop_after: int | None = None,
+    parallel_clients: int = 1,
 ) -> Path:
     """Run (or resume) a federated run; returns its directory. `stop_after` ends the process
-    after that many central steps in total without finishing the run (for tests and preemption)."""
+    after that many central steps in total without finishing the run (for tests and preemption).
+    `parallel_clients` > 1 trains that many clients at once per process (fl.parallel): the same
+    run up to float rounding, faster or not depending on the device (`pflbench bench fl`)."""
     started = time.perf_counter()
     check_privacy(config)
     set_cpu_threads()
@@ -253,7 +256,7 @@ def run(
         if (run_dir / "DONE").is_file():
             return run_dir
         barrier(ctx)
-        options = (data_root, progress, checkpoint_every, stop_after, started)
+        options = (data_root, progress, checkpoint_every, stop_after, started, parallel_clients)
         return _run(config, run_dir, ctx, device, *options)
     finally:
         shutdown()
@@ -320,7 +323,10 @@ def trained_tensors(config: RunConfig, model: torch.nn.Module, data, device: str
     return select_trained(scores, sizes, freeze.train_percent, freeze.train)
 
 
-def _run(config, run_dir, ctx, device, data_root, progress, checkpoint_every, stop_after, started):
+def _run(
+    config, run_dir, ctx, device, data_root, progress, checkpoint_every, stop_after, started,
+    parallel_clients,
+):  # fmt: skip
     fed = config.recipe.federated
     data, model, seed_path = _prepare(config, ctx, device, data_root, progress)
     set_cpu_threads()  # seed training may have changed it
@@ -338,8 +344,9 @@ def _run(config, run_dir, ctx, device, data_root, progress, checkpoint_every, st
     else:
         trained = trained_tensors(config, model, data, device)
     sim = Simulator(
-        model, data.federated_train, config.recipe, sigma_dp, config.seed, device, ctx, trained
-    )
+        model, data.federated_train, config.recipe, sigma_dp, config.seed, device, ctx, trained,
+        parallel_clients,
+    )  # fmt: skip
     if tensors is not None:
         sim.load_state_dict(tensors)
     lines: list[dict] = meta.get("metrics", [])
@@ -498,6 +505,7 @@ def compute_info(config, steps: list[dict], ctx, device: str, sim: Simulator, wa
         if cuda
         else platform.processor() or platform.machine(),
         "num_processes": ctx.world_size,
+        "parallel_clients": sim.client.group_size,
         "gpu_hours": wall * ctx.world_size / 3600 if cuda else 0.0,
         "central_steps": config.recipe.federated.central_steps,
         "cfmq": {

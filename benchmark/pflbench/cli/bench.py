@@ -75,6 +75,12 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("cpu", help="cpu or cuda"),
         cohort: int = typer.Option(8, help="Cohort size of the measured central steps."),
         local_steps: int = typer.Option(10, help="Local steps per client."),
+        parallel_clients: int = typer.Option(
+            1,
+            "--parallel-clients",
+            min=1,
+            help="Also time G clients at once (vmap) against one at a time.",
+        ),
         as_json: bool = JsonOption,
     ) -> None:
         """Local-step time, MFU, time per central step, overhead outside client training,
@@ -82,7 +88,7 @@ def register(app: typer.Typer) -> None:
         from pflbench.fl.bench import bench_fl
 
         preset = preset or ("paper-255m" if device == "cuda" else "synth-cpu")
-        figures = bench_fl(preset=preset, device=device, cohort=cohort, local_steps=local_steps)
+        figures = bench_fl(preset, device, cohort, local_steps, parallel_clients)
         _print(f"federated step, {preset} on {device}", figures, as_json)
 
     @bench.command("results")

@@ -54,6 +54,13 @@ def register(app: typer.Typer) -> None:
         ),
         specs: list[Path] = SpecsOption,
         nproc: int = typer.Option(1, "--nproc", min=1, help="Processes to launch via torchrun."),
+        parallel_clients: int = typer.Option(
+            1,
+            "--parallel-clients",
+            min=1,
+            help="Clients trained at once per process (vmap; small models without dropout; "
+            "`pflbench bench fl --parallel-clients G` says whether it is faster).",
+        ),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar."),
         checkpoint_every: int = typer.Option(
             10, "--checkpoint-every", min=1, help="Central steps between resumable checkpoints."
@@ -85,6 +92,7 @@ def register(app: typer.Typer) -> None:
             data_root=data_root,
             progress=progress,
             checkpoint_every=checkpoint_every,
+            parallel_clients=parallel_clients,
         )
         if int(os.environ.get("RANK", "0")) == 0:
             console.print(f"run directory: {run_dir}")

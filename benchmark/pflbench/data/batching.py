@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -11,6 +12,13 @@ from pflbench.data.features import N_MELS
 from pflbench.data.store import Utterance
 
 BUCKET = 64  # utterances sorted by length together, to keep padding low
+
+
+def chunks(items: Iterable, size: int) -> Iterator[list]:
+    """Consecutive lists of `size` items (the last may be shorter), read lazily."""
+    it = iter(items)
+    while chunk := list(itertools.islice(it, size)):
+        yield chunk
 
 
 @dataclass

@@ -7,7 +7,9 @@ LAMB step) on in-memory random utterances, so it needs no corpus, and prints:
   (copying the global model, deltas, clipping, summing, noise, all-reduce, server step, data);
 - peak memory during a central step at cohort 8 and 64 (it must not grow with the cohort);
 - on CUDA, the GPU-hours the paper's run (S = 1024, 10 local steps, T = 2000) would take at the
-  measured per-client time.
+  measured per-client time;
+- with --parallel-clients G, the same with G clients trained at once (fl.parallel) and its
+  speed-up over one client at a time.
 """
 
 from __future__ import annotations
@@ -95,14 +97,17 @@ def peak_memory_bytes(device: str) -> int | None:
     return None
 
 
-def make_simulator(preset: str, device: str, cohort: int, local_steps: int) -> Simulator:
+def make_simulator(
+    preset: str, device: str, cohort: int, local_steps: int, parallel_clients: int = 1
+) -> Simulator:
     batch_seconds = 120.0 if device.startswith("cuda") else 20.0
     recipe = bench_recipe(preset, cohort, local_steps, batch_seconds)
     torch.manual_seed(0)
     model = build_model(preset, VOCAB)
     per_user = max(2, int(batch_seconds // UTTERANCE_SECONDS) * 2)
     store = RandomUserStore(num_users=cohort, utterances_per_user=per_user)
-    sim = Simulator(model, store, recipe, 1e-5, seed=0, device=device, ctx=DistContext())
+    sim = Simulator(model, store, recipe, 1e-5, seed=0, device=device, ctx=DistContext(),
+                    parallel_clients=parallel_clients)  # fmt: skip
     sim.client.synchronize = True
     return sim
 
@@ -126,13 +131,23 @@ def step_peak_memory(preset: str, device: str, cohort: int) -> int | None:
     return peak_memory_bytes(device)
 
 
-def bench_fl(preset: str, device: str, cohort: int = 8, local_steps: int = 10) -> dict:
+def bench_fl(
+    preset: str, device: str, cohort: int = 8, local_steps: int = 10, parallel_clients: int = 1
+) -> dict:
+    """The figures of the module docstring; with parallel_clients > 1, of the simulator training
+    that many clients at once, plus its speed-up over one client at a time."""
     from pflbench.evaluate import PEAK_BF16
 
     cuda = device.startswith("cuda")
-    sim = make_simulator(preset, device, cohort, local_steps)
-    timed_steps(sim, 1)  # warm-up
     steps = 2
+    one_at_a_time = None
+    if parallel_clients > 1:
+        sim = make_simulator(preset, device, cohort, local_steps)
+        timed_steps(sim, 1)  # warm-up
+        one_at_a_time = timed_steps(sim, steps)[0] / steps
+        del sim
+    sim = make_simulator(preset, device, cohort, local_steps, parallel_clients)
+    timed_steps(sim, 1)  # warm-up
     wall, compute, stats = timed_steps(sim, steps)
     local_step_seconds = compute / max(1, steps * stats["local_steps"])
     figures: dict = {
@@ -144,7 +159,11 @@ def bench_fl(preset: str, device: str, cohort: int = 8, local_steps: int = 10) -
         "local_step_seconds": local_step_seconds,
         "central_step_seconds": wall / steps,
         "outside_client_fraction": 1.0 - compute / wall,
+        "parallel_clients": parallel_clients,
     }
+    if one_at_a_time is not None:
+        figures["central_step_seconds_one_client_at_a_time"] = one_at_a_time
+        figures["parallel_speedup"] = one_at_a_time / (wall / steps)
     if cuda:
         cfg = sim.model.cfg
         out_frames = stats["frames"] / cfg.conv_stride

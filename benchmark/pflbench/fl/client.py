@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -65,6 +66,8 @@ def variational_noise_std(recipe: ClientRecipe, step: int) -> float:
 
 class ClientTrainer:
     """Local SGD on a private copy of the model; `trained` names the tensors clients update."""
+
+    group_size = 1  # clients trained at once (see fl.parallel for more)
 
     def __init__(
         self,
@@ -126,6 +129,16 @@ class ClientTrainer:
     def _restore_clean_weights(self) -> None:
         torch._foreach_copy_(self.params, self.clean_weights)
 
+    def train_group(
+        self,
+        global_params: list[torch.Tensor],
+        clients: list[tuple[str, list[Utterance]]],
+        step: int,
+    ) -> Iterator[tuple[str, ClientResult]]:
+        """One client after the other; yields (user, result), the update valid until the next."""
+        for user, utterances in clients:
+            yield user, self.train(global_params, utterances, step, user)
+
     def train(
         self,
         global_params: list[torch.Tensor],
@@ -149,7 +162,7 @@ class ClientTrainer:
             batch = collate([utterances[i] for i in indices]).to(self.device)
             feats, feat_lens = batch.feats, batch.feat_lens
             if self.augment.enabled:
-                feats = spec_augment(feats, feat_lens, generator, **_augment_args(self.augment))
+                feats = spec_augment(feats, feat_lens, generator, **augment_args(self.augment))
             started = self._clock()
             if vn_std:
                 self._add_weight_noise(vn_std, noise_generator)
@@ -175,5 +188,5 @@ class ClientTrainer:
         )
 
 
-def _augment_args(recipe: SpecAugmentRecipe) -> dict:
+def augment_args(recipe: SpecAugmentRecipe) -> dict:
     return recipe.model_dump(exclude={"enabled"})

@@ -4,6 +4,7 @@
     mine    = assign_users(cohort, world)[rank]            # balanced by expected local work
     for user in mine:                                      # data prefetched in the background
         Δ = client.train(θ, data(user), t, user)           # θ − θ_local after local SGD
+                                                           # (or G users at once: fl.parallel)
         agg.add(Δ)                                         # zero-if-NaN, clip, (noise), exact sum
     g = agg.finish()                                       # all-reduce, /qK, + N(0, (Cσ_DP)²)
     θ = server.step(θ, g, lr(t))                           # LAMB by default
@@ -21,10 +22,12 @@ from typing import Any
 
 import torch
 
+from pflbench.data.batching import chunks
 from pflbench.data.store import FeatureStore
 from pflbench.fl.aggregate import StepAggregator
 from pflbench.fl.client import ClientTrainer
 from pflbench.fl.distributed import DistContext, assign_users
+from pflbench.fl.parallel import ParallelClientTrainer
 from pflbench.fl.sampling import expected_cohort, sample_cohort
 from pflbench.fl.server import ServerOptimizer, learning_rate
 from pflbench.spec.models import ClientRecipe, Recipe
@@ -74,6 +77,7 @@ class Simulator:
         device: str,
         ctx: DistContext,
         trained: list[str] | None = None,
+        parallel_clients: int = 1,
     ):
         self.model = model.to(device)
         self.store, self.recipe, self.sigma_dp = store, recipe, sigma_dp
@@ -82,8 +86,11 @@ class Simulator:
         self.names = list(trained) if trained is not None else list(named)
         self.params = [named[n].data for n in self.names]
         fed = recipe.federated
-        self.client = ClientTrainer(
-            model, self.names, fed.client, recipe.spec_augment, seed, device
+        client_args = (model, self.names, fed.client, recipe.spec_augment, seed, device)
+        self.client = (
+            ClientTrainer(*client_args)
+            if parallel_clients == 1
+            else ParallelClientTrainer(*client_args, group_size=parallel_clients)
         )
         self.server = ServerOptimizer(fed.server, self.names, self.params)
         self.users = sorted(store.users())
@@ -121,9 +128,10 @@ class Simulator:
             step,
             self.device,
         )
-        for user, utterances in prefetched(self.store.load_user, self.my_users(step)):
-            result = self.client.train(self.params, utterances, step, user)
-            aggregator.add(result.update, user, result.loss, result.local_steps, result.frames)
+        users = prefetched(self.store.load_user, self.my_users(step))
+        for group in chunks(users, self.client.group_size):
+            for user, result in self.client.train_group(self.params, group, step):
+                aggregator.add(result.update, user, result.loss, result.local_steps, result.frames)
         grads, stats = aggregator.finish(self.ctx)
         fed = self.recipe.federated
         lr = learning_rate(step, fed.server.lr, fed.server.decay)

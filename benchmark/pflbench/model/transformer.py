@@ -61,9 +61,15 @@ PRESETS: dict[str, ModelConfig] = {
 # Positions
 
 
-def cape_positions(out_lens: Tensor, frames: int, cfg: ModelConfig, training: bool) -> Tensor:
+def cape_positions(
+    out_lens: Tensor,
+    frames: int,
+    cfg: ModelConfig,
+    training: bool,
+    generator: torch.Generator | None = None,
+) -> Tensor:
     """[B, frames] positions centred per utterance; augmented (global/local shift, scaling) in
-    training."""
+    training, drawn from `generator` (default: the global RNG)."""
     pos = torch.arange(frames, device=out_lens.device, dtype=torch.float32)
     pos = pos[None, :] - (out_lens[:, None].float() - 1) / 2
     if not training:
@@ -71,7 +77,8 @@ def cape_positions(out_lens: Tensor, frames: int, cfg: ModelConfig, training: bo
     batch = out_lens.shape[0]
 
     def uniform(shape: tuple[int, ...], bound: float) -> Tensor:
-        return (torch.rand(shape, device=out_lens.device) * 2 - 1) * bound
+        draw = torch.rand(shape, device=out_lens.device, generator=generator)
+        return (draw * 2 - 1) * bound
 
     shift = uniform((batch, 1), cfg.cape_global_shift)
     jitter = uniform((batch, frames), cfg.cape_local_shift / 2)
@@ -154,9 +161,12 @@ class CTCTransformer(nn.Module):
         k, s = self.cfg.conv_kernel, self.cfg.conv_stride
         return (feat_lens + 2 * (k // 2) - k) // s + 1
 
-    def forward(self, feats: Tensor, feat_lens: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, feats: Tensor, feat_lens: Tensor, positions: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         """feats [B, T, n_mels] (any padding), feat_lens [B] → log-probs [B, T', V] float32,
-        out_lens [B]. Outputs at frames ≥ out_lens are meaningless."""
+        out_lens [B]. Outputs at frames ≥ out_lens are meaningless. `positions` [B, T'] replaces
+        the CAPE positions drawn here (the multi-client trainer draws them per client)."""
         frames_in = torch.arange(feats.shape[1], device=feats.device)
         # Zero the padding so the conv sees the same input as for the unpadded utterance.
         feats = feats * (frames_in[None, :] < feat_lens[:, None]).unsqueeze(-1).to(feats.dtype)
@@ -164,9 +174,9 @@ class CTCTransformer(nn.Module):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=feats.is_cuda):
             x = self.conv(feats.transpose(1, 2)).transpose(1, 2)
             frames = x.shape[1]
-            x = x + sinusoids(
-                cape_positions(out_lens, frames, self.cfg, self.training), x.shape[-1]
-            )
+            if positions is None:
+                positions = cape_positions(out_lens, frames, self.cfg, self.training)
+            x = x + sinusoids(positions, x.shape[-1])
             x = self.drop(x)
             keep = (torch.arange(frames, device=x.device)[None, :] < out_lens[:, None])[
                 :, None, None
@@ -198,10 +208,10 @@ def build_model(
 # Loss, decoding, cost
 
 
-def ctc_loss(log_probs: Tensor, out_lens: Tensor, targets: Tensor, target_lens: Tensor) -> Tensor:
-    """Mean over the batch of each utterance's CTC loss (summed over its frames); blank = 0.
-    Infeasible alignments (too few frames) give 0 rather than inf."""
-    per_utt = F.ctc_loss(
+def ctc_losses(log_probs: Tensor, out_lens: Tensor, targets: Tensor, target_lens: Tensor) -> Tensor:
+    """[B] each utterance's CTC loss (summed over its frames); blank = 0. Infeasible alignments
+    (too few frames) give 0 rather than inf."""
+    return F.ctc_loss(
         log_probs.transpose(0, 1),
         targets,
         out_lens,
@@ -210,7 +220,11 @@ def ctc_loss(log_probs: Tensor, out_lens: Tensor, targets: Tensor, target_lens: 
         reduction="none",
         zero_infinity=True,
     )
-    return per_utt.mean()
+
+
+def ctc_loss(log_probs: Tensor, out_lens: Tensor, targets: Tensor, target_lens: Tensor) -> Tensor:
+    """Mean over the batch of each utterance's CTC loss."""
+    return ctc_losses(log_probs, out_lens, targets, target_lens).mean()
 
 
 def greedy_ids(log_probs: Tensor, out_lens: Tensor, blank: int = 0) -> list[list[int]]:

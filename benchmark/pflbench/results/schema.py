@@ -129,6 +129,7 @@ class Compute(Strict):
     device: str | None = None
     device_name: str | None = None
     num_processes: int | None = None
+    parallel_clients: int | None = None  # clients trained at once per process (fl.parallel)
     gpu_hours: float | None = None
     central_steps: int | None = None
     cfmq: Cfmq | None = None
