@@ -24,6 +24,7 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -256,8 +257,8 @@ def run(
         if (run_dir / "DONE").is_file():
             return run_dir
         barrier(ctx)
-        options = (data_root, progress, checkpoint_every, stop_after, started, parallel_clients)
-        return _run(config, run_dir, ctx, device, *options)
+        options = RunOptions(data_root, progress, checkpoint_every, stop_after, parallel_clients)
+        return _run(config, run_dir, ctx, device, options, started)
     finally:
         shutdown()
 
@@ -323,12 +324,20 @@ def trained_tensors(config: RunConfig, model: torch.nn.Module, data, device: str
     return select_trained(scores, sizes, freeze.train_percent, freeze.train)
 
 
-def _run(
-    config, run_dir, ctx, device, data_root, progress, checkpoint_every, stop_after, started,
-    parallel_clients,
-):  # fmt: skip
+@dataclass(frozen=True)
+class RunOptions:
+    """How to run, beside what (the RunConfig): none of these changes the config hash."""
+
+    data_root: Path | None
+    progress: bool
+    checkpoint_every: int
+    stop_after: int | None
+    parallel_clients: int
+
+
+def _run(config, run_dir, ctx, device, options: RunOptions, started: float):
     fed = config.recipe.federated
-    data, model, seed_path = _prepare(config, ctx, device, data_root, progress)
+    data, model, seed_path = _prepare(config, ctx, device, options.data_root, options.progress)
     set_cpu_threads()  # seed training may have changed it
     sigma_dp = run_noise(config)
     population = len(data.federated_train.users())
@@ -345,7 +354,7 @@ def _run(
         trained = trained_tensors(config, model, data, device)
     sim = Simulator(
         model, data.federated_train, config.recipe, sigma_dp, config.seed, device, ctx, trained,
-        parallel_clients,
+        options.parallel_clients,
     )  # fmt: skip
     if tensors is not None:
         sim.load_state_dict(tensors)
@@ -370,9 +379,9 @@ def _run(
 
     log = MetricsLog(run_dir, lines, sim.step) if ctx.is_main else None
     try:
-        with progress_bar(progress and ctx.is_main, fed.central_steps, sim.step) as advance:
+        with progress_bar(options.progress and ctx.is_main, fed.central_steps, sim.step) as advance:
             while sim.step < fed.central_steps:
-                if stop_after is not None and sim.step >= stop_after:
+                if options.stop_after is not None and sim.step >= options.stop_after:
                     return run_dir
                 t0 = time.perf_counter()
                 stats = sim.run_step()
@@ -396,7 +405,7 @@ def _run(
                 if log is not None:
                     log.append(new)
                 advance(line)
-                if is_eval or sim.step % checkpoint_every == 0:
+                if is_eval or sim.step % options.checkpoint_every == 0:
                     save(lines)
         save(lines)
         if log is not None:
