@@ -145,3 +145,10 @@ def test_zero_if_nonfinite_leaves_finite_updates_alone():
     before = {k: v.clone() for k, v in update.items()}
     assert zero_if_nonfinite(update) is False
     assert all(torch.equal(update[k], before[k]) for k in before)
+
+
+def test_zero_if_nonfinite_with_empty_tensors():
+    assert zero_if_nonfinite({"empty": torch.ones(0)}) is False
+    update = {"empty": torch.ones(0), "b": torch.tensor([1.0, float("nan")])}
+    assert zero_if_nonfinite(update) is True and torch.equal(update["b"], torch.zeros(2))
+    assert zero_if_nonfinite({"empty": torch.ones(0, 3), "c": torch.ones(2)}) is False

@@ -125,6 +125,13 @@ def test_parallel_clients_give_the_same_run_to_float_tolerance(env, tmp_path):
         torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
 
 
+def test_resuming_with_other_parallel_clients_is_refused(env, tmp_path):
+    config = _config(env, "perlayer-dim")
+    run_dir = run(config, out_dir=tmp_path / "r", progress=False, checkpoint_every=1, stop_after=2)
+    with pytest.raises(UserError, match="--parallel-clients 1"):
+        run(config, out_dir=run_dir, resume=True, progress=False, parallel_clients=2)
+
+
 def test_fedavg_under_a_dp_budget_is_refused(env, tmp_path):
     with pytest.raises(UserError, match="does not clip"):
         run(_config(env, "fedavg", "eps7.2-high-pop"), out_dir=tmp_path / "r", progress=False)

@@ -59,8 +59,8 @@ class MetricsLog:
         self.path = Path(run_dir) / "metrics.jsonl"
         text = "".join(json.dumps(x) + "\n" for x in lines)
         atomic_write(self.path, lambda tmp: tmp.write_text(text))
-        self.file = open(self.path, "a")  # noqa: SIM115 (closed by close())
         self.tensorboard = tensorboard_writer(Path(run_dir) / TENSORBOARD_DIR, steps_done + 1)
+        self.file = open(self.path, "a")  # noqa: SIM115 (closed by close())
 
     def append(self, lines: list[dict]) -> None:
         self.file.write("".join(json.dumps(x) + "\n" for x in lines))

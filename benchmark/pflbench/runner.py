@@ -350,6 +350,13 @@ def _run(config, run_dir, ctx, device, options: RunOptions, started: float):
     if checkpoint is not None:
         tensors, meta = load_checkpoint(checkpoint)
         trained = meta["trained"]
+        before = meta.get("parallel_clients", 1)
+        if before != options.parallel_clients:
+            # Groups change the float rounding: the resumed run would not be the same run.
+            raise UserError(
+                f"{run_dir} was run with --parallel-clients {before}; resume it with the same "
+                f"value (got {options.parallel_clients})"
+            )
     else:
         trained = trained_tensors(config, model, data, device)
     sim = Simulator(
@@ -373,6 +380,7 @@ def _run(config, run_dir, ctx, device, options: RunOptions, started: float):
             "metrics": step_lines,
             "seed_results": seed_results,
             "config_hash": config_hash(config),
+            "parallel_clients": options.parallel_clients,
         }
         save_checkpoint(path, sim.state_dict(), meta)
         prune_checkpoints(run_dir, path)
@@ -408,7 +416,7 @@ def _run(config, run_dir, ctx, device, options: RunOptions, started: float):
                 if is_eval or sim.step % options.checkpoint_every == 0:
                     save(lines)
         save(lines)
-        if log is not None:
+        if ctx.is_main:
             final = evaluate(sim.model, data, config, {"dev", "test"}, device)
             lines.append({"step": sim.step, "eval": _wer_cer(final)})
             log.append(lines[-1:])

@@ -163,7 +163,8 @@ def cv_voice(rng: np.random.Generator, language: str) -> Voice:
 
 
 def speak(text: str, voice: Voice, rng: np.random.Generator, sr_out: int) -> np.ndarray:
-    """float32 audio at sr_out: espeak at 22.05 kHz, then noise and gain, then soxr resampling."""
+    """float32 audio at sr_out: espeak at 22.05 kHz, then noise, the microphone's band-pass and
+    gain, then soxr resampling."""
     tts = Espeak.instance()
     seed = int(rng.integers(2**31))
     wave = tts.synth(

@@ -140,13 +140,13 @@ def bench_fl(
 
     cuda = device.startswith("cuda")
     steps = 2
+    sim = make_simulator(preset, device, cohort, local_steps, parallel_clients)  # refuses early
     one_at_a_time = None
     if parallel_clients > 1:
-        sim = make_simulator(preset, device, cohort, local_steps)
-        timed_steps(sim, 1)  # warm-up
-        one_at_a_time = timed_steps(sim, steps)[0] / steps
-        del sim
-    sim = make_simulator(preset, device, cohort, local_steps, parallel_clients)
+        sequential = make_simulator(preset, device, cohort, local_steps)
+        timed_steps(sequential, 1)  # warm-up
+        one_at_a_time = timed_steps(sequential, steps)[0] / steps
+        del sequential
     timed_steps(sim, 1)  # warm-up
     wall, compute, stats = timed_steps(sim, steps)
     local_step_seconds = compute / max(1, steps * stats["local_steps"])

@@ -146,14 +146,15 @@ class ParallelClientTrainer:
             active = [g for g in range(n) if k < len(schedules[g])]
             batches = {}
             for g in active:
-                batch = collate([data[g][i] for i in schedules[g][k]]).to(self.device)
+                batch = collate([data[g][i] for i in schedules[g][k]])
+                frames[g] += int(batch.feat_lens.sum())  # before the copy: no device sync
+                batch = batch.to(self.device)
                 feats = batch.feats
                 if self.augment.enabled:
                     feats = spec_augment(
                         feats, batch.feat_lens, generators[g], **augment_args(self.augment)
                     )
                 batches[g] = (batch, feats)
-                frames[g] += int(batch.feat_lens.sum())
             inputs = self._stack(batches, model_cfg, position_generators)
             mask = torch.zeros(self.group_size, device=self.device)
             mask[active] = 1.0
@@ -169,7 +170,7 @@ class ParallelClientTrainer:
                 with torch.no_grad():
                     torch._foreach_copy_(self.params, self.clean_weights)
             self._sgd_step([p.grad for p in self.params], global_params, mask)
-            total_loss += losses.detach() * mask
+            total_loss += torch.where(mask.bool(), losses.detach(), 0.0)
             self.compute_seconds += self._clock() - started
 
         with torch.no_grad():
@@ -220,13 +221,17 @@ class ParallelClientTrainer:
 
     @torch.no_grad()
     def _sgd_step(self, grads, global_params, mask: torch.Tensor) -> None:
-        """Per client: FedProx, clip the local gradient to C_loc (as clip_grad_norm_), SGD."""
+        """Per client: FedProx, clip the local gradient to C_loc (as clip_grad_norm_), SGD.
+        Clients whose schedule has ended (mask 0) get a zero gradient: not even a NaN in a
+        padding slot can move them."""
         if self.recipe.fedprox_mu:
             for grad, stacked, global_tensor in zip(grads, self.params, global_params, strict=True):
                 grad.add_(stacked - global_tensor, alpha=self.recipe.fedprox_mu)
-        norms = torch.stack([torch.linalg.vector_norm(g.flatten(1), dim=1) for g in grads])
+        for grad in grads:
+            grad.masked_fill_(~mask.bool().view(-1, *([1] * (grad.dim() - 1))), 0.0)
+        norms = torch.stack([torch.linalg.vector_norm(g.reshape(len(g), -1), dim=1) for g in grads])
         total = torch.linalg.vector_norm(norms, dim=0)
-        coef = (self.recipe.grad_clip / (total + 1e-6)).clamp(max=1.0) * mask
+        coef = (self.recipe.grad_clip / (total + 1e-6)).clamp(max=1.0)
         for grad, stacked in zip(grads, self.params, strict=True):
             scale = (-self.recipe.lr * coef).view(-1, *([1] * (grad.dim() - 1)))
             stacked.addcmul_(grad, scale)

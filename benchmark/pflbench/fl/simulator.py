@@ -86,6 +86,8 @@ class Simulator:
         self.names = list(trained) if trained is not None else list(named)
         self.params = [named[n].data for n in self.names]
         fed = recipe.federated
+        if parallel_clients < 1:
+            raise ValueError(f"parallel_clients must be at least 1, got {parallel_clients}")
         client_args = (model, self.names, fed.client, recipe.spec_augment, seed, device)
         self.client = (
             ClientTrainer(*client_args)

@@ -111,8 +111,12 @@ def zero_if_nonfinite(update: dict[str, Tensor]) -> bool:
     A zero update is inside every clipping bound, so replacing a broken user keeps DP intact.
     """
     tensors = list(update.values())
-    # The max-abs norm is NaN or Inf exactly when the tensor holds a NaN or an Inf.
-    finite = torch.isfinite(torch.stack(torch._foreach_norm(tensors, float("inf")))).all()
+    # The max-abs norm is NaN or Inf exactly when the tensor holds a NaN or an Inf (it is
+    # undefined for empty tensors, which hold neither).
+    nonempty = [t for t in tensors if t.numel()]
+    if not nonempty:
+        return False
+    finite = torch.isfinite(torch.stack(torch._foreach_norm(nonempty, float("inf")))).all()
     if bool(finite):
         return False
     torch._foreach_zero_(tensors)
