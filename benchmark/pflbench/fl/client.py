@@ -56,6 +56,13 @@ def local_batches(
     return batches[: recipe.local_steps] if recipe.local_steps else batches
 
 
+def clock(device: str, synchronize: bool) -> float:
+    """perf_counter, after waiting for the device's queued work when asked (CUDA is async)."""
+    if synchronize and str(device).startswith("cuda"):
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def variational_noise_std(recipe: ClientRecipe, step: int) -> float:
     """Federated variational noise std at central step `step`, ramped linearly from 0."""
     vn = recipe.variational_noise
@@ -95,11 +102,6 @@ class ClientTrainer:
         # only meaningful with `synchronize=True`, which costs a host sync per local step.
         self.compute_seconds = 0.0
         self.synchronize = False
-
-    def _clock(self) -> float:
-        if self.synchronize and str(self.device).startswith("cuda"):
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
 
     @torch.no_grad()
     def load_frozen(self, global_model: torch.nn.Module) -> None:
@@ -163,7 +165,7 @@ class ClientTrainer:
             feats, feat_lens = batch.feats, batch.feat_lens
             if self.augment.enabled:
                 feats = spec_augment(feats, feat_lens, generator, **augment_args(self.augment))
-            started = self._clock()
+            started = clock(self.device, self.synchronize)
             if vn_std:
                 self._add_weight_noise(vn_std, noise_generator)
             torch._foreach_zero_([p.grad for p in self.params])
@@ -174,7 +176,7 @@ class ClientTrainer:
                 self._restore_clean_weights()
             self._sgd_step(global_params)
             total_loss += loss.detach()  # no host sync per local step
-            self.compute_seconds += self._clock() - started
+            self.compute_seconds += clock(self.device, self.synchronize) - started
             frames += sum(u.feats.shape[0] for u in (utterances[i] for i in indices))
 
         with torch.no_grad():

@@ -17,7 +17,6 @@ they must be 0 (as in the small presets). Whether this is faster depends on the 
 from __future__ import annotations
 
 import copy
-import time
 import warnings
 from collections.abc import Iterator
 
@@ -31,6 +30,7 @@ from pflbench.errors import UserError
 from pflbench.fl.client import (
     ClientResult,
     augment_args,
+    clock,
     limit_utterances,
     local_batches,
     variational_noise_std,
@@ -97,11 +97,6 @@ class ParallelClientTrainer:
         )
         return (per_utterance.view_as(weights) * weights).sum(1)
 
-    def _clock(self) -> float:
-        if self.synchronize and str(self.device).startswith("cuda"):
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
-
     @torch.no_grad()
     def load_frozen(self, global_model: torch.nn.Module) -> None:
         named = dict(global_model.named_parameters())
@@ -158,7 +153,7 @@ class ParallelClientTrainer:
             inputs = self._stack(batches, model_cfg, position_generators)
             mask = torch.zeros(self.group_size, device=self.device)
             mask[active] = 1.0
-            started = self._clock()
+            started = clock(self.device, self.synchronize)
             if vn_std:
                 self._add_weight_noise(vn_std, active, noise_generators)
             torch._foreach_zero_([p.grad for p in self.params])
@@ -171,7 +166,7 @@ class ParallelClientTrainer:
                     torch._foreach_copy_(self.params, self.clean_weights)
             self._sgd_step([p.grad for p in self.params], global_params, mask)
             total_loss += torch.where(mask.bool(), losses.detach(), 0.0)
-            self.compute_seconds += self._clock() - started
+            self.compute_seconds += clock(self.device, self.synchronize) - started
 
         with torch.no_grad():
             for delta, stacked, global_tensor in zip(
