@@ -56,6 +56,31 @@ def local_batches(
     return batches[: recipe.local_steps] if recipe.local_steps else batches
 
 
+@dataclass
+class ClientPlan:
+    """What a client's keys fix before its first local step; both trainers start from it."""
+
+    utterances: list[Utterance]  # after the data limit
+    schedule: list[list[int]]  # the local batches
+    generator: torch.Generator  # "client" stream, next used by SpecAugment
+    noise_generator: torch.Generator  # variational weight noise
+    model_seed: int  # the model's own draws: dropout, CAPE, layer drop
+
+
+def plan_client(
+    recipe: ClientRecipe, seed: int, step: int, user: str, utterances: list[Utterance], device
+) -> ClientPlan:
+    generator = keyed_generator(seed, step, user, "client")
+    utterances = limit_utterances(utterances, recipe.max_utterances, generator)
+    return ClientPlan(
+        utterances=utterances,
+        schedule=local_batches([u.seconds for u in utterances], recipe, generator),
+        generator=generator,
+        noise_generator=keyed_generator(seed, step, user, "weights", device=device),
+        model_seed=keyed_seed(seed, step, user, "model"),
+    )
+
+
 def clock(device: str, synchronize: bool) -> float:
     """perf_counter, after waiting for the device's queued work when asked (CUDA is async)."""
     if synchronize and str(device).startswith("cuda"):
@@ -149,11 +174,10 @@ class ClientTrainer:
         user: str,
     ) -> ClientResult:
         """Run the local steps of `user` at central step `step` from `global_params`."""
-        generator = keyed_generator(self.seed, step, user, "client")
-        noise_generator = keyed_generator(self.seed, step, user, "weights", device=self.device)
-        torch.manual_seed(keyed_seed(self.seed, step, user, "model"))  # dropout, CAPE, layer drop
-        utterances = limit_utterances(utterances, self.recipe.max_utterances, generator)
-        schedule = local_batches([u.seconds for u in utterances], self.recipe, generator)
+        plan = plan_client(self.recipe, self.seed, step, user, utterances, self.device)
+        utterances, schedule, generator = plan.utterances, plan.schedule, plan.generator
+        noise_generator = plan.noise_generator
+        torch.manual_seed(plan.model_seed)  # dropout, CAPE, layer drop
         vn_std = variational_noise_std(self.recipe, step) if self.clean_weights else 0.0
 
         with torch.no_grad():

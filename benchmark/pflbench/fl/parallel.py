@@ -31,11 +31,9 @@ from pflbench.fl.client import (
     ClientResult,
     augment_args,
     clock,
-    limit_utterances,
-    local_batches,
+    plan_client,
     variational_noise_std,
 )
-from pflbench.fl.sampling import keyed_generator, keyed_seed
 from pflbench.model.transformer import cape_positions, ctc_losses
 from pflbench.spec.models import ClientRecipe, SpecAugmentRecipe
 
@@ -115,20 +113,15 @@ class ParallelClientTrainer:
             raise ValueError(f"a group holds 1..{self.group_size} clients, got {len(clients)}")
         n = len(clients)
         model_cfg = self.model.cfg
-        generators, position_generators, noise_generators, schedules, data = [], [], [], [], []
-        for user, utterances in clients:
-            generator = keyed_generator(self.seed, step, user, "client")
-            utterances = limit_utterances(utterances, self.recipe.max_utterances, generator)
-            schedules.append(local_batches([u.seconds for u in utterances], self.recipe, generator))
-            generators.append(generator)
-            data.append(utterances)
-            # The sequential trainer seeds the global RNG with this key; CAPE is its only draw.
-            position_generators.append(
-                torch.Generator(self.device).manual_seed(keyed_seed(self.seed, step, user, "model"))
-            )
-            noise_generators.append(
-                keyed_generator(self.seed, step, user, "weights", device=self.device)
-            )
+        plans = [plan_client(self.recipe, self.seed, step, u, x, self.device) for u, x in clients]
+        schedules = [p.schedule for p in plans]
+        data = [p.utterances for p in plans]
+        generators = [p.generator for p in plans]
+        noise_generators = [p.noise_generator for p in plans]
+        # The sequential trainer seeds the global RNG with model_seed; CAPE is its only draw.
+        position_generators = [
+            torch.Generator(self.device).manual_seed(p.model_seed) for p in plans
+        ]
         vn_std = variational_noise_std(self.recipe, step) if self.clean_weights else 0.0
 
         with torch.no_grad():
