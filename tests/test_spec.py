@@ -34,7 +34,7 @@ PAPER_TASKS = {
 }
 # Golden: sha256 of the canonical JSON of the fixture run. It changes only when the RunConfig
 # schema or the fixture specs change; then review the change and update it deliberately.
-GOLDEN_HASH = "ae647f1b7586f5e65c1223399b2f4b2eb18305d31729c66783e03161b2fe85e2"
+GOLDEN_HASH = "51441600ada299b099f00ee681603d879f93905db736c3a35352d5fa3f1e149e"
 
 
 def fixture_config(**kw):

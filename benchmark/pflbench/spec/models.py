@@ -192,6 +192,11 @@ class Task(Strict):
     eval_sets: list[EvalSet] = Field(min_length=1)
     recipe: Recipe = Recipe()
     reference: str = Field("", description="Where the paper reports this setting.")
+    budgets: list[str] = Field(
+        default_factory=list,
+        description="Budgets the task is meant to be run under (sweeps and the validity report"
+        " use them; the first is `pflbench run`'s default when --budget is not given).",
+    )
 
     @model_validator(mode="after")
     def _eval_roles(self) -> Task:
@@ -225,6 +230,15 @@ class Budget(Strict):
     cohort: int | None = Field(None, ge=1, description="Extrapolated cohort size S_ext.")
     steps: int | None = Field(None, ge=1, description="Extrapolated central steps T_ext.")
     accountant: Literal["rdp", "pld"] = "rdp"
+    matches: str | None = Field(
+        None,
+        description="The paper budget this one is signal-to-noise matched to: the same epsilon,"
+        " delta, q and T, and a cohort chosen so that sigma_dp*sqrt(d) equals the paper budget's"
+        " at d = matched_parameters (docs/BUDGETS.md).",
+    )
+    matched_parameters: int | None = Field(
+        None, ge=1, description="Trained parameters d of the model the match was made for."
+    )
 
     @model_validator(mode="after")
     def _complete(self) -> Budget:
@@ -237,6 +251,8 @@ class Budget(Strict):
                 raise ValueError("cohort must not exceed population")
         elif any(getattr(self, f) is not None for f in fields):
             raise ValueError("a budget with dp: false takes no epsilon/delta/population/...")
+        if (self.matches is None) != (self.matched_parameters is None):
+            raise ValueError("set both matches and matched_parameters, or neither")
         return self
 
 

@@ -174,4 +174,17 @@ def load_registry(extra_dirs: list[Path] | None = None) -> Registry:
                 "(the same layout as the built-in specs)"
             )
         _load_dir(reg, d / "tasks", d / "baselines")
+    check_references(reg)
     return reg
+
+
+def check_references(reg: Registry) -> None:
+    """Names a spec refers to (a task's budgets, a budget's matched paper budget) must exist."""
+    for loaded in reg.tasks.values():
+        for name in loaded.spec.budgets:
+            if name not in reg.budgets:
+                raise UserError(f"{loaded.path}: budgets names {name!r}, which is not a budget")
+    for loaded in reg.budgets.values():
+        match = loaded.spec.matches
+        if match is not None and match not in reg.budgets:
+            raise UserError(f"{loaded.path}: budget {loaded.spec.name!r} matches unknown {match!r}")
