@@ -62,7 +62,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = JsonOption,
     ) -> None:
         """Training throughput (s of audio per s); on CUDA also MFU in bf16."""
-        from pflbench.evaluate import bench_model
+        from pflbench.model.bench import bench_model
 
         preset = preset or ("paper-255m" if device == "cuda" else "synth-cpu")
         _print(f"model {preset} on {device}", bench_model(device=device, preset=preset), as_json)
@@ -81,6 +81,8 @@ def register(app: typer.Typer) -> None:
             min=1,
             help="Also time G clients at once (vmap) against one at a time.",
         ),
+        dropout: float = typer.Option(None, help="Override the preset's dropout (e.g. 0)."),
+        layer_drop: float = typer.Option(None, help="Override the preset's layer drop."),
         as_json: bool = JsonOption,
     ) -> None:
         """Local-step time, MFU, time per central step, overhead outside client training,
@@ -88,7 +90,9 @@ def register(app: typer.Typer) -> None:
         from pflbench.fl.bench import bench_fl
 
         preset = preset or ("paper-255m" if device == "cuda" else "synth-cpu")
-        figures = bench_fl(preset, device, cohort, local_steps, parallel_clients)
+        figures = bench_fl(
+            preset, device, cohort, local_steps, parallel_clients, dropout, layer_drop
+        )
         _print(f"federated step, {preset} on {device}", figures, as_json)
 
     @bench.command("results")

@@ -7,7 +7,8 @@ LAMB step) on in-memory random utterances, so it needs no corpus, and prints:
   (copying the global model, deltas, clipping, summing, noise, all-reduce, server step, data);
 - peak memory during a central step at cohort 8 and 64 (it must not grow with the cohort);
 - on CUDA, the GPU-hours the paper's run (S = 1024, 10 local steps, T = 2000) would take at the
-  measured per-client time;
+  measured time per client, and the A100-hours that is worth at the dense-bf16 peak ratio of the
+  two GPUs (the paper reports 1,120 A100-hours);
 - with --parallel-clients G, the same with G clients trained at once (fl.parallel) and its
   speed-up over one client at a time.
 """
@@ -23,13 +24,20 @@ import torch
 from pflbench.data.store import Utterance
 from pflbench.fl.distributed import DistContext
 from pflbench.fl.simulator import Simulator
-from pflbench.model.transformer import build_model, count_parameters, model_flops_per_frame
+from pflbench.model.bench import PEAK_BF16, peak_bf16
+from pflbench.model.transformer import (
+    build_model,
+    count_parameters,
+    model_flops_per_frame,
+    training_layers,
+)
 from pflbench.spec.models import Recipe
 
 VOCAB = 30
 UTTERANCE_SECONDS = 5.0
 TOKENS_PER_SECOND = 15
-PAPER_COHORT, PAPER_STEPS = 1024, 2000
+PAPER_COHORT, PAPER_STEPS, PAPER_LOCAL_STEPS = 1024, 2000, 10
+PAPER_A100_HOURS = 1120.0  # 002 Table 22: LS-100 -> CV-en, FL + DP, 32 A100 x 35 h
 
 
 @dataclass
@@ -98,12 +106,18 @@ def peak_memory_bytes(device: str) -> int | None:
 
 
 def make_simulator(
-    preset: str, device: str, cohort: int, local_steps: int, parallel_clients: int = 1
+    preset: str,
+    device: str,
+    cohort: int,
+    local_steps: int,
+    parallel_clients: int = 1,
+    dropout: float | None = None,
+    layer_drop: float | None = None,
 ) -> Simulator:
     batch_seconds = 120.0 if device.startswith("cuda") else 20.0
     recipe = bench_recipe(preset, cohort, local_steps, batch_seconds)
     torch.manual_seed(0)
-    model = build_model(preset, VOCAB)
+    model = build_model(preset, VOCAB, dropout=dropout, layer_drop=layer_drop)
     per_user = max(2, int(batch_seconds // UTTERANCE_SECONDS) * 2)
     store = RandomUserStore(num_users=cohort, utterances_per_user=per_user)
     sim = Simulator(model, store, recipe, 1e-5, seed=0, device=device, ctx=DistContext(),
@@ -123,8 +137,8 @@ def timed_steps(sim: Simulator, steps: int) -> tuple[float, float, dict]:
     return time.perf_counter() - started, sim.client.compute_seconds, stats
 
 
-def step_peak_memory(preset: str, device: str, cohort: int) -> int | None:
-    sim = make_simulator(preset, device, cohort, local_steps=1)
+def step_peak_memory(preset: str, device: str, cohort: int, **model_args) -> int | None:
+    sim = make_simulator(preset, device, cohort, local_steps=1, **model_args)
     sim.run_step()  # warm-up: allocator pools and lazily created buffers
     reset_peak_memory(device)
     sim.run_step()
@@ -132,18 +146,24 @@ def step_peak_memory(preset: str, device: str, cohort: int) -> int | None:
 
 
 def bench_fl(
-    preset: str, device: str, cohort: int = 8, local_steps: int = 10, parallel_clients: int = 1
+    preset: str,
+    device: str,
+    cohort: int = 8,
+    local_steps: int = 10,
+    parallel_clients: int = 1,
+    dropout: float | None = None,
+    layer_drop: float | None = None,
 ) -> dict:
     """The figures of the module docstring; with parallel_clients > 1, of the simulator training
-    that many clients at once, plus its speed-up over one client at a time."""
-    from pflbench.evaluate import PEAK_BF16
-
+    that many clients at once, plus its speed-up over one client at a time. `dropout` and
+    `layer_drop` override the preset's (None: keep them)."""
     cuda = device.startswith("cuda")
     steps = 2
-    sim = make_simulator(preset, device, cohort, local_steps, parallel_clients)  # refuses early
+    model_args = {"dropout": dropout, "layer_drop": layer_drop}
+    sim = make_simulator(preset, device, cohort, local_steps, parallel_clients, **model_args)
     one_at_a_time = None
     if parallel_clients > 1:
-        sequential = make_simulator(preset, device, cohort, local_steps)
+        sequential = make_simulator(preset, device, cohort, local_steps, **model_args)
         timed_steps(sequential, 1)  # warm-up
         one_at_a_time = timed_steps(sequential, steps)[0] / steps
         del sequential
@@ -153,6 +173,8 @@ def bench_fl(
     figures: dict = {
         "preset": preset,
         "parameters": count_parameters(sim.model),
+        "dropout": sim.model.cfg.dropout,
+        "layer_drop": sim.model.cfg.layer_drop,
         "cohort": cohort,
         "local_steps": local_steps,
         "batch_seconds": sim.recipe.federated.client.batch_seconds,
@@ -167,20 +189,25 @@ def bench_fl(
     if cuda:
         cfg = sim.model.cfg
         out_frames = stats["frames"] / cfg.conv_stride
-        frames_per_utt = UTTERANCE_SECONDS * 100 / cfg.conv_stride
-        flops = model_flops_per_frame(cfg, VOCAB, int(frames_per_utt)) * out_frames * steps
+        frames_per_utt = int(UTTERANCE_SECONDS * 100 / cfg.conv_stride)
+        per_frame = model_flops_per_frame(cfg, VOCAB, frames_per_utt, training_layers(cfg))
+        flops = per_frame * out_frames * steps
         name = torch.cuda.get_device_name(device)
-        peak = next((v for k, v in PEAK_BF16.items() if k in name), None)
+        peak = peak_bf16(name)
         figures["device_name"] = name
         figures["mfu"] = flops / compute / peak if peak else None
-        per_client = wall / steps / cohort
-        figures["paper_run_gpu_hours_extrapolated"] = (
-            per_client * PAPER_COHORT * PAPER_STEPS / 3600 * (10 / local_steps)
-        )
-        figures["paper_run_gpu_hours_reported"] = 1120.0
+        # The paper's run at this measured time per client (the whole central step, overhead
+        # included, per client and local step).
+        per_client_step = wall / steps / cohort / local_steps
+        hours = per_client_step * PAPER_LOCAL_STEPS * PAPER_COHORT * PAPER_STEPS / 3600
+        factor = peak / PEAK_BF16["A100"] if peak else None
+        figures["paper_run_gpu_hours_extrapolated"] = hours
+        figures["a100_per_gpu_factor_assumed"] = factor
+        figures["paper_run_a100_hours_equivalent"] = hours * factor if factor else None
+        figures["paper_run_a100_hours_reported"] = PAPER_A100_HOURS
     del sim
-    figures["peak_memory_bytes_cohort8"] = step_peak_memory(preset, device, 8)
-    figures["peak_memory_bytes_cohort64"] = step_peak_memory(preset, device, 64)
+    figures["peak_memory_bytes_cohort8"] = step_peak_memory(preset, device, 8, **model_args)
+    figures["peak_memory_bytes_cohort64"] = step_peak_memory(preset, device, 64, **model_args)
     small, large = figures["peak_memory_bytes_cohort8"], figures["peak_memory_bytes_cohort64"]
     figures["peak_memory_ratio_64_vs_8"] = large / small if small and large else None
     return figures

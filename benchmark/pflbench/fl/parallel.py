@@ -19,9 +19,11 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Iterator
+from contextlib import nullcontext
 
 import torch
 from torch.func import functional_call, vmap
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pflbench.data.batching import collate
 from pflbench.data.features import spec_augment
@@ -83,7 +85,10 @@ class ParallelClientTrainer:
 
     def _losses(self, feats, feat_lens, positions, targets, target_lens, weights) -> torch.Tensor:
         """[G] each client's mean loss over its real utterances."""
-        with warnings.catch_warnings():
+        # The fused CUDA attention kernels reject the strides vmap hands them in the backward
+        # ("LSE is not correctly aligned"); the math kernel is plain ops that vmap batches.
+        cuda = str(self.device).startswith("cuda")
+        with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH) if cuda else nullcontext():
             # vmap loops over ops without batching rules (e.g. SDPA's backward on CPU)
             warnings.filterwarnings("ignore", message=".*performance drop.*")
             log_probs, out_lens = self._forward(self.params, feats, feat_lens, positions)

@@ -10,6 +10,7 @@ from pflbench.model.transformer import (
     greedy_decode,
     greedy_ids,
     model_flops_per_frame,
+    training_layers,
 )
 
 __all__ = [
@@ -22,4 +23,5 @@ __all__ = [
     "greedy_decode",
     "greedy_ids",
     "model_flops_per_frame",
+    "training_layers",
 ]

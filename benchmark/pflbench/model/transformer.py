@@ -244,10 +244,19 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def model_flops_per_frame(cfg: ModelConfig, vocab_size: int = 30, frames: int = 0) -> float:
+def model_flops_per_frame(
+    cfg: ModelConfig, vocab_size: int = 30, frames: int = 0, layers: float | None = None
+) -> float:
     """Training FLOPs per output frame, nanoGPT style: 6·N (forward + backward of every weight,
     the conv frontend included since it runs once per output frame) plus 12·layers·dim·frames
-    for attention scores over `frames` keys."""
+    for attention scores over `frames` keys. `layers` is the number of blocks that run (default
+    all; with layer drop p, training runs (1 − p)·layers of them on average)."""
+    layers = cfg.layers if layers is None else layers
     per_layer = 4 * cfg.dim * cfg.dim + 2 * cfg.dim * cfg.mlp
-    weights = cfg.layers * per_layer + cfg.n_mels * cfg.conv_kernel * cfg.dim + cfg.dim * vocab_size
-    return 6.0 * weights + 12.0 * cfg.layers * cfg.dim * frames
+    weights = layers * per_layer + cfg.n_mels * cfg.conv_kernel * cfg.dim + cfg.dim * vocab_size
+    return 6.0 * weights + 12.0 * layers * cfg.dim * frames
+
+
+def training_layers(cfg: ModelConfig) -> float:
+    """Blocks a training forward runs on average: layer drop skips each with probability p."""
+    return cfg.layers * (1.0 - cfg.layer_drop)
