@@ -145,6 +145,32 @@ def register(app: typer.Typer) -> None:
     def budgets_show(
         name: str, specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption
     ) -> None:
-        """One budget with its σ_DP, noise multiplier z and ε by both accountants."""
-        loaded = _registry(specs).budget(name)
-        _show(loaded, as_json, extra={"privacy": budget_privacy(loaded.spec)})
+        """One budget with its σ_DP, noise multiplier z and ε by both accountants; a matched
+        budget also with its noise-to-clip ratio σ_DP·√d next to the paper budget's."""
+        from pflbench.privacy.matching import PAPER_PRESET, match_report, model_parameters
+
+        registry = _registry(specs)
+        loaded = registry.budget(name)
+        extra = {"privacy": budget_privacy(loaded.spec)}
+        if loaded.spec.matches is not None:
+            paper = registry.budget(loaded.spec.matches).spec
+            extra["matching"] = match_report(loaded.spec, paper, model_parameters(PAPER_PRESET))
+        _show(loaded, as_json, extra=extra)
+
+    @budgets.command("match")
+    def budgets_match(
+        name: str = typer.Argument(..., help="The paper budget to match, e.g. eps7.2-high-pop."),
+        preset: str = typer.Option(..., "--preset", help="Model preset to match it for."),
+        vocab_size: int = typer.Option(30, "--vocab-size", help="Output tokens incl. blank."),
+        specs: list[Path] | None = SpecsOption,
+        as_json: bool = JsonOption,
+    ) -> None:
+        """The budget with `name`'s ε, δ, q and T whose σ_DP·√d for `preset` equals `name`'s
+        for paper-255m (docs/BUDGETS.md): paste it into a budgets.yaml."""
+        from pflbench.privacy.matching import PAPER_PRESET, matched_scale, model_parameters
+
+        paper = _registry(specs).budget(name).spec
+        parameters = model_parameters(preset, vocab_size)
+        entry = matched_scale(paper, parameters, model_parameters(PAPER_PRESET))
+        entry = {"name": f"{name}-{preset}-matched", **entry}
+        print_json(entry) if as_json else console.print(yaml.safe_dump([entry], sort_keys=False))
