@@ -9,10 +9,12 @@ from typer.testing import CliRunner
 from pflbench.cli import app
 from pflbench.privacy.matching import (
     PAPER_PRESET,
+    PAPER_RUN_COHORT,
     match_report,
     matched_scale,
     model_parameters,
     noise_to_clip_ratio,
+    noise_to_sampling_ratio,
 )
 from pflbench.privacy.statement import budget_noise
 from pflbench.spec.models import Budget
@@ -50,6 +52,25 @@ def test_shipped_matched_budgets_match_the_paper_noise_to_clip_ratio(registry, n
         "matches": paper.name,
         "matched_parameters": budget.matched_parameters,
     }
+
+
+@pytest.mark.parametrize("name", ["eps7.2-synth-cohort-matched", "eps4.5-synth-cohort-matched"])
+def test_cohort_matched_budgets_keep_the_paper_dp_to_sampling_noise_ratio(registry, name):
+    budget = registry.budget(name).spec
+    paper = registry.budget(budget.matches).spec
+    synth_task = registry.task("synth-cv-en-ls-seed").spec
+    assert budget.matched_cohort == synth_task.recipe.federated.cohort_size
+    d, d_paper = budget.matched_parameters, model_parameters(PAPER_PRESET)
+    report = match_report(budget, paper, d_paper)
+    assert abs(report["relative_difference"]) < 2e-3
+    ours, theirs = budget_noise(budget)["sigma_dp"], budget_noise(paper)["sigma_dp"]
+    assert noise_to_sampling_ratio(ours, d, budget.matched_cohort) == pytest.approx(
+        noise_to_sampling_ratio(theirs, d_paper, PAPER_RUN_COHORT), rel=2e-3
+    )
+    # sqrt(1024 / 16) = 8 times the noise of the sigma*sqrt(d)-matched budget
+    plain = registry.budget(name.replace("-cohort", "")).spec
+    assert ours / budget_noise(plain)["sigma_dp"] == pytest.approx(8.0, rel=2e-3)
+    assert matched_scale(paper, d, d_paper, budget.matched_cohort)["cohort"] == budget.cohort
 
 
 def test_matching_a_model_of_the_paper_size_returns_the_paper_scale(registry):

@@ -34,7 +34,7 @@ PAPER_TASKS = {
 }
 # Golden: sha256 of the canonical JSON of the fixture run. It changes only when the RunConfig
 # schema or the fixture specs change; then review the change and update it deliberately.
-GOLDEN_HASH = "51441600ada299b099f00ee681603d879f93905db736c3a35352d5fa3f1e149e"
+GOLDEN_HASH = "32d80a04418a4ee93e10e1412a1ceab81a97fd6b4a2dd5cd005d5911a3ac1964"
 
 
 def fixture_config(**kw):

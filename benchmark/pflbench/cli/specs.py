@@ -161,16 +161,21 @@ def register(app: typer.Typer) -> None:
     def budgets_match(
         name: str = typer.Argument(..., help="The paper budget to match, e.g. eps7.2-high-pop."),
         preset: str = typer.Option(..., "--preset", help="Model preset to match it for."),
+        cohort: int = typer.Option(
+            None, "--cohort", help="Also match for runs of this cohort (the paper's: 1,024)."
+        ),
         vocab_size: int = typer.Option(30, "--vocab-size", help="Output tokens incl. blank."),
         specs: list[Path] | None = SpecsOption,
         as_json: bool = JsonOption,
     ) -> None:
         """The budget with `name`'s ε, δ, q and T whose σ_DP·√d for `preset` equals `name`'s
-        for paper-255m (docs/BUDGETS.md): paste it into a budgets.yaml."""
+        for paper-255m (with --cohort: whose σ_DP·√(d·S) for runs of that cohort equals the
+        paper's at S = 1,024); see docs/BUDGETS.md. Paste it into a budgets.yaml."""
         from pflbench.privacy.matching import PAPER_PRESET, matched_scale, model_parameters
 
         paper = _registry(specs).budget(name).spec
         parameters = model_parameters(preset, vocab_size)
-        entry = matched_scale(paper, parameters, model_parameters(PAPER_PRESET))
-        entry = {"name": f"{name}-{preset}-matched", **entry}
+        entry = matched_scale(paper, parameters, model_parameters(PAPER_PRESET), cohort)
+        suffix = f"-cohort{cohort}" if cohort else ""
+        entry = {"name": f"{name}-{preset}{suffix}-matched", **entry}
         print_json(entry) if as_json else console.print(yaml.safe_dump([entry], sort_keys=False))

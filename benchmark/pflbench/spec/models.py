@@ -239,6 +239,12 @@ class Budget(Strict):
     matched_parameters: int | None = Field(
         None, ge=1, description="Trained parameters d of the model the match was made for."
     )
+    matched_cohort: int | None = Field(
+        None,
+        ge=1,
+        description="Also matched for a run with this cohort (the paper's runs: 1,024): the DP"
+        " noise then keeps the paper's ratio to the client-sampling noise (docs/BUDGETS.md).",
+    )
 
     @model_validator(mode="after")
     def _complete(self) -> Budget:
@@ -253,6 +259,8 @@ class Budget(Strict):
             raise ValueError("a budget with dp: false takes no epsilon/delta/population/...")
         if (self.matches is None) != (self.matched_parameters is None):
             raise ValueError("set both matches and matched_parameters, or neither")
+        if self.matched_cohort is not None and self.matches is None:
+            raise ValueError("matched_cohort needs matches and matched_parameters")
         return self
 
 
