@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml setup.py
 	touch $@
 
 demo: install
-	$(BIN)/pflbench run --task synth-cv-en-ls-seed --baseline perlayer-dim --budget eps7.2-high-pop
+	$(BIN)/pflbench run --task synth-cv-en-ls-seed --baseline perlayer-dim
 
 test: install
 	$(BIN)/python -m pytest -q

@@ -1,10 +1,11 @@
 """The CUDA paths: bf16 autocast inside the multi-client vmap, CUDA generators, a whole run.
 
-Skipped where torch sees no GPU (CI); run on a GPU machine with `python -m pytest tests/test_cuda.py`.
+Skipped where torch sees no GPU (CI); on a GPU machine: `python -m pytest tests/test_cuda.py`.
 """
 
 import pytest
 import torch
+from test_run import TASK, _config, env, specs_dir  # noqa: F401  (fixtures)
 
 from pflbench.fl.client import ClientTrainer
 from pflbench.fl.distributed import DistContext
@@ -14,7 +15,6 @@ from pflbench.model.transformer import build_model
 from pflbench.results.schema import load_record
 from pflbench.runner import run
 from pflbench.spec.models import ClientRecipe, Recipe, SpecAugmentRecipe
-from test_run import TASK, _config, env, specs_dir  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 AUGMENT = SpecAugmentRecipe(freq_masks=1, freq_width=8, time_masks=1, time_width=10)

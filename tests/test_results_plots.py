@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -14,10 +15,17 @@ import pytest
 from typer.testing import CliRunner
 
 from pflbench.cli import app
+from pflbench.errors import UserError
 from pflbench.results.export import export_parquet
 from pflbench.results.leaderboard import load_results
 from pflbench.results.plots import plot_results, plot_run
-from pflbench.results.sweep import plan_sweep, run_sweep
+from pflbench.results.sweep import (
+    PlannedRun,
+    load_sweep_file,
+    plan_sweep,
+    plan_sweep_file,
+    run_sweep,
+)
 
 REPO = Path(__file__).parents[1]
 GOLDEN = Path(__file__).parent / "fixtures" / "results" / "golden" / "results"
@@ -180,6 +188,61 @@ def test_sweep_reports_a_failing_run(tmp_path):
     )
     report = run_sweep(plan, tmp_path / "plots")
     assert [run for run, _ in report.failed] == plan and report.failed[0][1] != 0
+
+
+def test_sweep_file_plans_groups_in_order_without_repeats(tmp_path):
+    path = tmp_path / "grid.yaml"
+    path.write_text(
+        "task: fx-task\n"
+        "groups:\n"
+        "  - {baselines: [fedavg], seeds: [0, 1]}\n"
+        "  - {baselines: [fedavg, global], budgets: [none], seeds: [1]}\n"
+        "  - {baselines: [fedavg], set: [federated.cohort_size=8]}\n"
+    )
+    plan = plan_sweep_file(load_sweep_file(path), tmp_path / "runs")
+    names = [run.run_dir.name for run in plan]
+    assert names[:4] == [
+        "fedavg__none__seed0",
+        "fedavg__none__seed1",
+        "global__none__seed1",
+        names[3],
+    ]
+    assert len(names) == 4 and names[3].startswith("fedavg__none__seed0__")
+    assert plan[3].sets == ("federated.cohort_size=8",)
+    path.write_text("task: fx-task\ngroups:\n  - {baselines: [], seeds: [0]}\n")
+    with pytest.raises(UserError, match="not a valid sweep file"):
+        load_sweep_file(path)
+
+
+def test_sweep_jobs_run_concurrently_with_a_share_of_the_threads(tmp_path, monkeypatch):
+    # Two processes that record their OMP_NUM_THREADS and wait for each other: both exit 0 only
+    # if the sweep runs them at the same time. (They write no record, so the sweep files them
+    # as failed runs, with exit code 0.)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    script = (
+        "import os, pathlib, sys, time\n"
+        "d = pathlib.Path(sys.argv[1])\n"
+        "d.joinpath('threads').write_text(os.environ['OMP_NUM_THREADS'])\n"
+        "t = time.time()\n"
+        "while len(list(d.parent.glob('*/threads'))) < 2:\n"
+        "    time.sleep(0.05)\n"
+        "    if time.time() - t > 30: sys.exit(3)\n"
+    )
+
+    class ScriptRun(PlannedRun):
+        def command(self) -> list[str]:
+            return [sys.executable, "-c", script, str(self.run_dir)]
+
+    plan = [
+        ScriptRun("fx-task", name, "none", 0, (), tmp_path / "runs" / name) for name in ("a", "b")
+    ]
+    codes = []
+    report = run_sweep(
+        plan, tmp_path / "plots", jobs=2, on_done=lambda run, code: codes.append(code)
+    )
+    assert codes == [0, 0] and [code for _, code in report.failed] == [0, 0]
+    cores = len(os.sched_getaffinity(0))
+    assert {(run.run_dir / "threads").read_text() for run in plan} == {str(max(1, cores // 2))}
 
 
 def test_sweep_dry_run_cli(tmp_path):

@@ -25,10 +25,16 @@ from pflbench.spec.registry import load_registry
 from pflbench.spec.resolve import resolve
 
 TASK = "synth-tiny-test"
-BASELINES = sorted(p.stem for p in (Path(__file__).parents[1] / "baselines").glob("*.yaml"))
+REFERENCE_ROWS = ("seed-only", "central")  # no federated training
+BASELINES = sorted(
+    p.stem
+    for p in (Path(__file__).parents[1] / "baselines").glob("*.yaml")
+    if p.stem not in REFERENCE_ROWS
+)
 RECIPE = {
     "model": {"preset": "tiny"},
     "central": {"optimizer": "adam", "lr": 0.002, "steps": 5, "batch_seconds": 20.0},
+    "fine_tune": {"optimizer": "adam", "lr": 0.002, "steps": 3, "batch_seconds": 20.0},
     "federated": {
         "central_steps": 3,
         "cohort_size": 4,
@@ -76,6 +82,24 @@ def test_each_baseline_writes_a_valid_record(env, tmp_path, baseline):
         assert 0 < epsilons[0] < epsilons[1] < epsilons[2]
     else:
         assert epsilons == [None, None, None]
+
+
+@pytest.mark.parametrize("baseline", REFERENCE_ROWS)
+def test_reference_rows_run_without_fl_and_refuse_dp_budgets(env, tmp_path, baseline):
+    with pytest.raises(UserError, match="non-private reference row"):
+        run(_config(env, baseline, "eps7.2-high-pop"), out_dir=tmp_path / "dp", progress=False)
+    run_dir = run(_config(env, baseline), out_dir=tmp_path / "run", progress=False)
+    record, _ = load_record(run_dir / "record.json")
+    final, seed = record.metrics.final, record.metrics.seed_model
+    assert set(final) == {"cv-dev", "cv-test", "ls-dev-clean"}
+    assert record.privacy.dp is False and record.compute.central_steps == 0
+    model = load_file(run_dir / "checkpoints" / "final.safetensors")
+    if baseline == "seed-only":  # the seed model itself, evaluated once
+        assert all(final[n].wer == seed[n].wer for n in final)
+    else:  # three Adam steps on the federated data move the model and its errors
+        meta = json.loads((run_dir / "checkpoints" / "final.json").read_text())
+        seed_model = load_file(meta["seed_checkpoint"])
+        assert any(not torch.equal(model[k], seed_model[k]) for k in model)
 
 
 def tensorboard_scalars(run_dir: Path) -> dict[str, list[tuple[int, float]]]:

@@ -14,7 +14,7 @@ import pytest
 from pflbench.errors import UserError
 from pflbench.spec.models import Recipe
 from pflbench.spec.registry import load_registry
-from pflbench.spec.resolve import config_hash, resolve
+from pflbench.spec.resolve import config_hash, default_budget, resolve
 
 FIXTURE_SPECS = Path(__file__).parent / "fixtures" / "specs"
 PAPER_TASKS = {
@@ -34,7 +34,7 @@ PAPER_TASKS = {
 }
 # Golden: sha256 of the canonical JSON of the fixture run. It changes only when the RunConfig
 # schema or the fixture specs change; then review the change and update it deliberately.
-GOLDEN_HASH = "32d80a04418a4ee93e10e1412a1ceab81a97fd6b4a2dd5cd005d5911a3ac1964"
+GOLDEN_HASH = "d653696a6718f644dfd4f8b1eea9e20a1377554fce68ca1e781ecbef00541415"
 
 
 def fixture_config(**kw):
@@ -273,3 +273,17 @@ def test_cli_usage_errors_exit_2_without_traceback():
     assert out.returncode == 2 and "Traceback" not in out.stderr
     out = _cli("privacy", "epsilon", "--noise-multiplier", "abc", "--sampling-rate", "0.1")
     assert out.returncode == 2 and "Traceback" not in out.stderr
+
+
+def test_default_budget_is_the_tasks_first_for_clipping_federated_baselines():
+    registry = load_registry()
+    task = "synth-cv-en-ls-seed"
+    first = registry.task(task).spec.budgets[0]
+    assert registry.budget(first).spec.dp
+    assert default_budget(registry, task, "perlayer-dim", []) == first
+    assert default_budget(registry, task, "global", []) == first
+    for baseline in ("fedavg", "seed-only", "central"):  # nothing a DP budget could apply to
+        assert default_budget(registry, task, baseline, []) == "none"
+    sets = ["privacy.clipping=none"]
+    assert default_budget(registry, task, "perlayer-dim", sets) == "none"
+    assert default_budget(registry, "cv-en-ls100-seed", "perlayer-dim", []) == "none"

@@ -43,6 +43,10 @@ from pflbench.spec.resolve import canonical_json, config_hash
 
 CHECKPOINT_EVERY = 10  # central steps between resumable checkpoints (and always at eval steps)
 DEFAULT_DELTA = 1e-9  # δ for the simulated-scale statement of runs without a DP budget
+# The starting model (seed model, or fresh init without seed data) belongs to the task: every run
+# starts from the one trained with this seed, as every FL run of the paper starts from one seed
+# model; run seeds vary the federated (or fine-tuning) randomness only.
+START_MODEL_SEED = 0
 
 
 def set_cpu_threads() -> None:
@@ -116,7 +120,14 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> None:
 
 
 def check_privacy(config: RunConfig) -> None:
-    """DP noise is calibrated to a clipping bound: a DP budget needs a clipping baseline."""
+    """DP noise is calibrated to a clipping bound: a DP budget needs a clipping baseline, and
+    training that is not federated has no DP mechanism at all."""
+    training = config.recipe.training
+    if config.budget.dp and training != "federated":
+        raise UserError(
+            f"baseline {config.baseline.name!r} (training: {training}) is a non-private reference"
+            f" row, so budget {config.budget.name!r} cannot be met; use --budget none"
+        )
     if config.budget.dp and config.recipe.privacy.clipping == "none":
         raise UserError(
             f"baseline {config.baseline.name!r} does not clip client updates "
@@ -144,9 +155,19 @@ def epsilon_so_far(config: RunConfig, sigma_dp: float, population: int, steps: i
     return compute_epsilon(sigma_dp * q * population, q, steps, delta, "rdp").epsilon
 
 
+NO_FL_PRIVACY = {
+    "seed-only": "No federated training: the seed model never sees the federated users' data,"
+    " so this row spends no privacy budget on them (and claims no DP guarantee).",
+    "central": "Central fine-tuning on the pooled federated data without clipping or noise:"
+    " no DP guarantee (epsilon is infinite).",
+}
+
+
 def privacy_claim(config: RunConfig, sigma_dp: float, population: int) -> dict:
     from pflbench.privacy.statement import privacy_statement
 
+    if config.recipe.training != "federated":
+        return {"dp": False, "how": NO_FL_PRIVACY[config.recipe.training]}
     fed = config.recipe.federated
     return privacy_statement(
         sigma_dp=sigma_dp,
@@ -292,7 +313,7 @@ def _prepare(config: RunConfig, ctx: DistContext, device: str, data_root, progre
                 config.task,
                 config.recipe,
                 data,
-                seed=config.seed,
+                seed=START_MODEL_SEED,
                 device=device,
                 cache_dir=cache,
                 progress=progress and ctx.is_main,
@@ -339,10 +360,14 @@ def _run(config, run_dir, ctx, device, options: RunOptions, started: float):
     fed = config.recipe.federated
     data, model, seed_path = _prepare(config, ctx, device, options.data_root, options.progress)
     set_cpu_threads()  # seed training may have changed it
-    sigma_dp = run_noise(config)
     population = len(data.federated_train.users())
     if population == 0:
         raise UserError(f"task {config.task.name!r}: the federated training data has no users")
+    if config.recipe.training != "federated":
+        return _run_without_fl(
+            config, run_dir, ctx, device, data, model, seed_path, options, started
+        )
+    sigma_dp = run_noise(config)
 
     checkpoint = latest_checkpoint(run_dir)
     meta: dict = {}
@@ -434,10 +459,49 @@ def _run(config, run_dir, ctx, device, options: RunOptions, started: float):
         save_model(run_dir / "checkpoints" / "final.safetensors", sim.model, final_meta)
         wall = time.perf_counter() - started
         record = build_record(
-            config, data, lines, final, seed_results, sigma_dp, population, ctx, device, sim, wall
-        )
+            config, data, lines, final, seed_results, sigma_dp, population, ctx, device,
+            sim.model, sim.client.group_size, wall,
+        )  # fmt: skip
         write_atomic(run_dir / "record.json", json.dumps(record, indent=2, sort_keys=True) + "\n")
         write_atomic(run_dir / "DONE", datetime.now(UTC).isoformat() + "\n")
+    return run_dir
+
+
+def _run_without_fl(config, run_dir, ctx, device, data, model, seed_path, options, started):
+    """The paper's reference rows: `seed-only` evaluates the seed model as it is; `central`
+    fine-tunes it on the pooled federated training data (recipe.fine_tune, else the seed model's
+    schedule; no FL, no clipping, no noise), resuming from run_dir/checkpoints after a kill."""
+    from pflbench.central import train_central
+
+    if ctx.world_size > 1:
+        raise UserError(f"training: {config.recipe.training} runs in one process (no torchrun)")
+    seed_results = evaluate(model, data, config, {"dev", "test"}, device)
+    final = seed_results
+    if config.recipe.training == "central":
+        train_central(
+            model,
+            data.federated_train,
+            config.recipe.fine_tune or config.recipe.central,
+            config.recipe.spec_augment,
+            device=device,
+            seed=keyed_seed(config.seed, "fine-tune"),
+            progress=options.progress,
+            resume_dir=run_dir / "checkpoints",
+        )
+        final = evaluate(model.eval(), data, config, {"dev", "test"}, device)
+    lines = [{"step": 0, "eval": _wer_cer(final)}]
+    meta = {
+        "kind": config.recipe.training,
+        "config_hash": config_hash(config),
+        "seed_checkpoint": str(seed_path) if seed_path else None,
+    }
+    save_model(run_dir / "checkpoints" / "final.safetensors", model, meta)
+    wall = time.perf_counter() - started
+    record = build_record(
+        config, data, lines, final, eval_summary(seed_results), 0.0, 0, ctx, device, model, 1, wall
+    )
+    write_atomic(run_dir / "record.json", json.dumps(record, indent=2, sort_keys=True) + "\n")
+    write_atomic(run_dir / "DONE", datetime.now(UTC).isoformat() + "\n")
     return run_dir
 
 
@@ -459,7 +523,8 @@ def build_record(
     population: int,
     ctx: DistContext,
     device: str,
-    sim: Simulator,
+    model: torch.nn.Module,
+    parallel_clients: int,
     wall_seconds: float,
 ) -> dict:
     from pflbench.results.schema import RECORD_SCHEMA_VERSION, ResultRecord, compute_record_id
@@ -490,7 +555,7 @@ def build_record(
             "history": history,
         },
         "privacy": privacy_claim(config, sigma_dp, population),
-        "compute": compute_info(config, steps, ctx, device, sim, wall_seconds),
+        "compute": compute_info(config, steps, ctx, device, model, parallel_clients, wall_seconds),
         "software": software_info(),
         "data": data_info(data),
         "diagnostics": {
@@ -503,11 +568,13 @@ def build_record(
     return record
 
 
-def compute_info(config, steps: list[dict], ctx, device: str, sim: Simulator, wall: float) -> dict:
+def compute_info(
+    config, steps: list[dict], ctx, device: str, model, parallel_clients: int, wall: float
+) -> dict:
     cuda = device.startswith("cuda")
     clients = sum(x["clients"] for x in steps)
     rounds = len(steps)
-    model_bytes = sum(p.numel() * p.element_size() for p in sim.model.parameters())
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     payload = 2.0 * model_bytes  # download the model, upload a delta (paper 004's P ≈ 2×size)
     mean_local_steps = sum(x["local_steps"] for x in steps) / clients if clients else 0.0
     peak = float(torch.cuda.max_memory_allocated(device)) if cuda else None
@@ -522,9 +589,9 @@ def compute_info(config, steps: list[dict], ctx, device: str, sim: Simulator, wa
         if cuda
         else platform.processor() or platform.machine(),
         "num_processes": ctx.world_size,
-        "parallel_clients": sim.client.group_size,
+        "parallel_clients": parallel_clients,
         "gpu_hours": wall * ctx.world_size / 3600 if cuda else 0.0,
-        "central_steps": config.recipe.federated.central_steps,
+        "central_steps": len(steps),
         "cfmq": {
             "rounds": rounds,
             "clients_per_round": clients / max(rounds, 1),

@@ -171,11 +171,17 @@ def register(app: typer.Typer) -> None:
 
     @app.command("sweep")
     def sweep(
-        task: str = typer.Option(..., "--task"),
-        baselines: str = typer.Option(..., "--baselines", help="Comma-separated baselines."),
+        task: str = typer.Option(None, "--task", help="The task (or give --file)."),
+        baselines: str = typer.Option(None, "--baselines", help="Comma-separated baselines."),
         budgets: str = typer.Option("none", "--budgets", help="Comma-separated budgets."),
         seeds: str = typer.Option("0", "--seeds", help="Comma-separated seeds."),
         sets: list[str] = typer.Option(None, "--set", help="key.path=value for every run."),
+        file: Path = typer.Option(
+            None, "--file", help="A sweep file (sweeps/*.yaml): task and groups of runs."
+        ),
+        jobs: int = typer.Option(
+            1, "--jobs", min=1, help="Runs at once (each gets cores/jobs intra-op threads)."
+        ),
         out: Path = typer.Option(Path("runs"), "--out", help="Runs go to OUT/<task>/<run>/."),
         dry_run: bool = typer.Option(False, "--dry-run", help="List the runs; run nothing."),
         device: str = typer.Option("cpu", "--device", help="cpu or cuda, for every run."),
@@ -183,32 +189,55 @@ def register(app: typer.Typer) -> None:
         specs: list[Path] = SpecsOption,
     ) -> None:
         """Run a grid of baselines × budgets × seeds (finished runs are skipped), then plot."""
-        from pflbench.results.sweep import plan_sweep, run_sweep
+        from pflbench.results.sweep import (
+            SweepFile,
+            SweepGroup,
+            load_sweep_file,
+            plan_sweep_file,
+            run_sweep,
+        )
 
+        if (file is None) == (task is None or baselines is None):
+            raise UserError("give either --file, or --task and --baselines")
+        if file is not None:
+            grid = load_sweep_file(file)
+        else:
+            try:
+                seed_list = [int(s) for s in _split(seeds, "seeds")]
+            except ValueError:
+                raise UserError(f"--seeds {seeds!r}: expected integers, e.g. 1,2,3") from None
+            group = SweepGroup(
+                baselines=_split(baselines, "baselines"),
+                budgets=_split(budgets, "budgets"),
+                seeds=seed_list,
+                set=sets or [],
+            )
+            grid = SweepFile(task=task, groups=[group])
         registry = _registry(specs)
-        registry.task(task)
-        baseline_names, budget_names = _split(baselines, "baselines"), _split(budgets, "budgets")
-        for name in baseline_names:
-            registry.baseline(name)
-        for name in budget_names:
-            registry.budget(name)
-        try:
-            seed_list = [int(s) for s in _split(seeds, "seeds")]
-        except ValueError:
-            raise UserError(f"--seeds {seeds!r}: expected integers, e.g. 1,2,3") from None
+        registry.task(grid.task)
+        for group in grid.groups:
+            for name in group.baselines:
+                registry.baseline(name)
+            for name in group.budgets:
+                registry.budget(name)
         run_args = ["--device", device, "--no-progress"]
         run_args += ["--data-root", str(data_root)] if data_root else []
         for folder in specs or []:
             run_args += ["--specs", str(folder)]
-        plan = plan_sweep(
-            task, baseline_names, budget_names, seed_list, sets or [], out, tuple(run_args)
-        )
+        plan = plan_sweep_file(grid, out, tuple(run_args))
         if dry_run:
             for run in plan:
                 state = "done" if run.done else "to run"
                 typer.echo(f"{state:7} {run.run_dir}  ({' '.join(run.command()[2:])})")
             return
-        report = run_sweep(plan, out / task / "plots")
+
+        def on_done(run, code: int) -> None:
+            state = "done" if code == 0 and run.done else f"FAILED (exit {code}, see sweep.log)"
+            console.print(f"{state}: {run.run_dir}", highlight=False)
+
+        todo = sum(not run.done for run in plan)
+        console.print(f"{len(plan)} runs, {todo} to run, {jobs} at a time", highlight=False)
+        report = run_sweep(plan, out / grid.task / "plots", jobs, on_done)
         console.print(
             f"{len(report.finished)} finished, {len(report.skipped)} already done, "
             f"{len(report.failed)} failed",

@@ -35,7 +35,12 @@ def register(app: typer.Typer) -> None:
     def run_cmd(
         task: str = typer.Option(..., "--task", help="Task name (see `pflbench tasks`)."),
         baseline: str = typer.Option(..., "--baseline", help="Baseline name."),
-        budget: str = typer.Option("none", "--budget", help="Privacy budget name."),
+        budget: str = typer.Option(
+            None,
+            "--budget",
+            help="Privacy budget name (default: the task's first budget for a baseline that can"
+            " run under DP, else none).",
+        ),
         seed: int = typer.Option(0, "--seed", help="Run seed (cohorts, batches, noise)."),
         sets: list[str] = typer.Option(
             None, "--set", help="Recipe override key.path=value (repeatable)."
@@ -70,7 +75,7 @@ def register(app: typer.Typer) -> None:
         write the run directory with its result record."""
         from pflbench.runner import default_run_dir, run
         from pflbench.spec.registry import load_registry
-        from pflbench.spec.resolve import resolve
+        from pflbench.spec.resolve import default_budget, resolve
 
         if device not in ("cpu", "cuda"):
             raise UserError(f"--device {device!r}: choose cpu or cuda")
@@ -78,9 +83,9 @@ def register(app: typer.Typer) -> None:
             raise UserError("--device cuda: no CUDA device is available to this torch build")
         if out is not None and resume is not None and out != resume:
             raise UserError("give either --out or --resume (the run directory to continue)")
-        config = resolve(
-            load_registry(extra_spec_dirs(specs)), task, baseline, budget, seed, sets or []
-        )
+        registry = load_registry(extra_spec_dirs(specs))
+        budget = budget or default_budget(registry, task, baseline, sets or [])
+        config = resolve(registry, task, baseline, budget, seed, sets or [])
         if nproc > 1 and "WORLD_SIZE" not in os.environ:
             sys.exit(subprocess.call(_torchrun_argv(nproc)))
         run_dir = resume or out or default_run_dir(config)

@@ -1,17 +1,26 @@
 """`pflbench sweep`: run a grid of (baseline × budget × seed) for one task, then plot it.
 
 Each run is `python -m pflbench run ... --out RUN_DIR` in a subprocess (a crash in one run cannot
-take the sweep down). A run folder with a DONE marker is finished and skipped on a rerun.
+take the sweep down), its output kept in RUN_DIR/sweep.log. A run folder with a DONE marker is
+finished and skipped on a rerun. A grid is given on the command line or as a sweep file
+(`sweeps/*.yaml`: a task and groups of baselines × budgets × seeds, each with its own --set), and
+`jobs` runs share the machine's CPUs, each with an equal share of intra-op threads.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import subprocess
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from pflbench.errors import UserError
 from pflbench.results.plots import PlotReport, plot_results, plot_run
 from pflbench.results.schema import load_record, safe_name
 
@@ -46,6 +55,45 @@ class SweepReport:
     plots: PlotReport = field(default_factory=PlotReport)
 
 
+class SweepGroup(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    baselines: list[str] = Field(min_length=1)
+    budgets: list[str] = Field(["none"], min_length=1)
+    seeds: list[int] = Field([0], min_length=1)
+    set: list[str] = Field([], description="--set overrides for every run of the group.")
+
+
+class SweepFile(BaseModel):
+    """A declared grid: `pflbench sweep --file sweeps/NAME.yaml`."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    task: str
+    description: str = ""
+    groups: list[SweepGroup] = Field(min_length=1)
+
+
+def load_sweep_file(path: Path) -> SweepFile:
+    try:
+        return SweepFile.model_validate(yaml.safe_load(Path(path).read_text()))
+    except OSError as exc:
+        raise UserError(f"{path}: cannot read the sweep file ({exc.strerror})") from None
+    except (yaml.YAMLError, ValidationError) as exc:
+        raise UserError(f"{path}: not a valid sweep file:\n{exc}") from None
+
+
+def plan_sweep_file(sweep: SweepFile, out_root: Path, run_args: tuple[str, ...] = ()):
+    """Every group's grid, in file order (so the first groups finish first), without repeats."""
+    plan: dict[Path, PlannedRun] = {}
+    for group in sweep.groups:
+        grid = plan_sweep(
+            sweep.task, group.baselines, group.budgets, group.seeds, group.set, out_root, run_args
+        )
+        plan.update({run.run_dir: run for run in grid if run.run_dir not in plan})
+    return list(plan.values())
+
+
 def plan_sweep(
     task: str,
     baselines: list[str],
@@ -74,17 +122,37 @@ def plan_sweep(
     ]
 
 
-def run_sweep(plan: list[PlannedRun], plot_dir: Path) -> SweepReport:
-    report = SweepReport()
-    for run in plan:
-        if run.done:
-            report.skipped.append(run)
+def run_sweep(
+    plan: list[PlannedRun], plot_dir: Path, jobs: int = 1, on_done=lambda run, code: None
+) -> SweepReport:
+    """Run the unfinished runs, `jobs` at a time; `on_done(run, exit_code)` after each."""
+    report = SweepReport(skipped=[run for run in plan if run.done])
+    queue = [run for run in plan if not run.done]
+    env = dict(os.environ)
+    if jobs > 1 and "OMP_NUM_THREADS" not in env:
+        # Each run would otherwise use every core: oversubscribed kernels run several x slower.
+        env["OMP_NUM_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) // jobs))
+    running: list[tuple[PlannedRun, subprocess.Popen]] = []
+    while queue or running:
+        while queue and len(running) < jobs:
+            run = queue.pop(0)
+            run.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(run.run_dir / "sweep.log", "ab") as log:
+                proc = subprocess.Popen(
+                    run.command(), stdout=log, stderr=subprocess.STDOUT, env=env
+                )
+            running.append((run, proc))
+        finished = next((item for item in running if item[1].poll() is not None), None)
+        if finished is None:
+            time.sleep(0.5)
             continue
-        code = subprocess.run(run.command(), check=False).returncode
+        running.remove(finished)
+        run, code = finished[0], finished[1].returncode
         if code == 0 and run.done:
             report.finished.append(run)
         else:
             report.failed.append((run, code))
+        on_done(run, code)
     report.plots = plot_sweep(plan, plot_dir)
     return report
 

@@ -171,6 +171,17 @@ class Recipe(Strict):
     model: ModelRecipe = ModelRecipe()
     spec_augment: SpecAugmentRecipe = SpecAugmentRecipe()
     central: CentralRecipe = CentralRecipe()
+    training: Literal["federated", "central", "seed-only"] = Field(
+        "federated",
+        description="What follows the seed model: federated (+DP) fine-tuning; `central`"
+        " fine-tuning on the pooled federated data (no FL, no DP; the paper's central row);"
+        " or `seed-only` (nothing: the seed model is evaluated as it is).",
+    )
+    fine_tune: CentralRecipe | None = Field(
+        None,
+        description="The schedule of `training: central` on the federated data (None: the"
+        " seed model's, `central`).",
+    )
     federated: FederatedRecipe = FederatedRecipe()
     privacy: PrivacyRecipe = PrivacyRecipe()
 

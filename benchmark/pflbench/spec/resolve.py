@@ -78,6 +78,15 @@ def resolve(
     )
 
 
+def default_budget(registry: Registry, task: str, baseline: str, sets: list[str]) -> str:
+    """The budget of a run given none: the task's first budget for federated training that clips
+    client updates (what a DP budget applies to), else `none`."""
+    recipe = resolve(registry, task, baseline, "none", 0, sets).recipe
+    budgets = registry.task(task).spec.budgets
+    private = recipe.training == "federated" and recipe.privacy.clipping != "none"
+    return budgets[0] if private and budgets else "none"
+
+
 def canonical_json(obj: Any) -> str:
     """The one serialization hashes are taken over: sorted keys, no spaces, ASCII."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
