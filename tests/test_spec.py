@@ -34,7 +34,7 @@ PAPER_TASKS = {
 }
 # Golden: sha256 of the canonical JSON of the fixture run. It changes only when the RunConfig
 # schema or the fixture specs change; then review the change and update it deliberately.
-GOLDEN_HASH = "32d80a04418a4ee93e10e1412a1ceab81a97fd6b4a2dd5cd005d5911a3ac1964"
+GOLDEN_HASH = "d3f99b12ecb34dd3858b50eb24ba3d87d9b658cba0a8368e3aafacccab24ec27"
 
 
 def fixture_config(**kw):
