@@ -35,7 +35,7 @@ from pflbench.checkpoint import atomic_write, load_checkpoint, save_checkpoint, 
 from pflbench.errors import UserError
 from pflbench.fl.distributed import DistContext, barrier, init_from_env, shutdown
 from pflbench.fl.freeze import layer_scores, select_trained
-from pflbench.fl.sampling import keyed_seed, sampling_rate
+from pflbench.fl.sampling import sampling_rate
 from pflbench.fl.simulator import Simulator
 from pflbench.metrics_log import MetricsLog
 from pflbench.spec.models import RunConfig
@@ -301,27 +301,28 @@ def _prepare(config: RunConfig, ctx: DistContext, device: str, data_root, progre
     return data, model, seed_path
 
 
-def trained_tensors(config: RunConfig, model: torch.nn.Module, data, device: str) -> list[str]:
-    """All parameter names, or those layer freezing leaves trainable."""
-    from pflbench.data.batching import collate, dynamic_batches
+def trained_tensors(config: RunConfig, model: torch.nn.Module, seed_path: Path | None) -> list[str]:
+    """All parameter names, or those layer freezing leaves trainable (scored by the squared
+    gradients the seed training accumulated, stored beside the cached seed model)."""
+    from pflbench.checkpoint import meta_path
 
     names = [n for n, _ in model.named_parameters()]
     freeze = config.recipe.federated.layer_freeze
     if freeze is None:
         return names
-    store = data.seed_train
-    if store is None:
+    if seed_path is None:
         raise UserError(
-            f"task {config.task.name!r} has no seed data, which layer freezing ranks layers on"
+            f"task {config.task.name!r} has no seed data, whose training layer freezing ranks"
+            " layers by"
         )
-    torch.manual_seed(keyed_seed(config.seed, "freeze"))
-    utterances = [u for user in sorted(store.users()) for u in store.load_user(user)]
-    batch_seconds = config.recipe.central.batch_seconds
-    plan = dynamic_batches([u.seconds for u in utterances], batch_seconds)[: freeze.warm_batches]
-    batches = (collate([utterances[i] for i in idx]) for idx in plan)
-    scores = layer_scores(model, batches, device)
+    sums = json.loads(meta_path(seed_path).read_text())["training"]["layer_grad_sq_sums"]
+    if not any(sums.values()):
+        raise UserError(
+            f"layer freezing: the seed model {seed_path} saw no gradients (central.steps ="
+            f" {config.recipe.central.steps}), so there are no scores to rank layers by"
+        )
     sizes = {n: p.numel() for n, p in model.named_parameters()}
-    return select_trained(scores, sizes, freeze.train_percent, freeze.train)
+    return select_trained(layer_scores(sums, sizes), sizes, freeze.train_percent, freeze.train)
 
 
 @dataclass(frozen=True)
@@ -358,7 +359,7 @@ def _run(config, run_dir, ctx, device, options: RunOptions, started: float):
                 f"value (got {options.parallel_clients})"
             )
     else:
-        trained = trained_tensors(config, model, data, device)
+        trained = trained_tensors(config, model, seed_path)
     sim = Simulator(
         model, data.federated_train, config.recipe, sigma_dp, config.seed, device, ctx, trained,
         options.parallel_clients,
