@@ -54,9 +54,12 @@ def test_non_editable_install_finds_specs(wheel, tmp_path):
         "[pflbench.__file__, sorted(r.tasks), sorted(r.budgets), len(r.baselines)]))"
     )
     # the installed copy first; keep any existing path (where dependencies may live)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        p for p in (str(target), os.environ.get("PYTHONPATH", "")) if p
-    )}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            p for p in (str(target), os.environ.get("PYTHONPATH", "")) if p
+        ),
+    }
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env
     )

@@ -147,6 +147,10 @@ def test_overrides_apply_in_order_and_parse_types():
         (["federated.cohort_size=many"], "federated.cohort_size"),
         (["privacy.clipping=sometimes"], "privacy.clipping"),
         (["nokey"], "expected key.path=value"),
+        # the accountant is the budget's alone (Budget.accountant)
+        (["privacy.accountant=pld"], "accountant: unknown key"),
+        # client-side noise is only right with exactly S users per step
+        (["privacy.noise_placement=client"], "needs federated.sampling: fixed"),
     ],
 )
 def test_bad_set_overrides(sets, needle):

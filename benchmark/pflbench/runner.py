@@ -116,13 +116,18 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> None:
 
 
 def check_privacy(config: RunConfig) -> None:
-    """DP noise is calibrated to a clipping bound: a DP budget needs a clipping baseline."""
+    """Refuse runs a DP budget cannot cover: DP noise is calibrated to a clipping bound (so the
+    baseline must clip), and to the budget's T (so the run may not take more central steps)."""
+    from pflbench.privacy.statement import check_steps_within_budget
+
     if config.budget.dp and config.recipe.privacy.clipping == "none":
         raise UserError(
             f"baseline {config.baseline.name!r} does not clip client updates "
             f"(privacy.clipping: none), so budget {config.budget.name!r} cannot be met; "
             "use --budget none or a clipping baseline"
         )
+    steps = config.recipe.federated.central_steps
+    check_steps_within_budget(steps, config.budget, "federated.central_steps")
 
 
 def run_noise(config: RunConfig) -> float:
@@ -157,6 +162,7 @@ def privacy_claim(config: RunConfig, sigma_dp: float, population: int) -> dict:
         delta=config.budget.delta or DEFAULT_DELTA,
         sampling=fed.sampling,
         budget=config.budget if config.budget.dp else None,
+        pseudo_users=config.task.federated_data.iid,
     )
 
 
@@ -495,6 +501,7 @@ def build_record(
         "software": software_info(),
         "data": data_info(data),
         "diagnostics": {
+            "private": False,  # computed from raw client updates, like metrics.jsonl's
             "nonfinite_updates": sum(x["nonfinite_updates"] for x in steps),
             "clipped_fraction_mean": sum(fractions) / len(fractions) if fractions else None,
         },
