@@ -7,18 +7,22 @@ import torch
 
 from pflbench.central import (
     LARS,
+    derived_seed,
+    epoch_batches,
     learning_rate,
     make_central_optimizer,
     seed_model,
     train_central,
 )
 from pflbench.checkpoint import load_model
+from pflbench.data.batching import collate
 from pflbench.data.corpora import Entry
 from pflbench.data.prepare import TaskData
 from pflbench.data.store import FeatureStore, build_store
 from pflbench.data.text import tokenizer_for
 from pflbench.evaluate import evaluate
 from pflbench.model import build_model
+from pflbench.model.transformer import ctc_loss
 from pflbench.spec.models import CentralRecipe, Recipe, SpecAugmentRecipe, Task
 
 
@@ -111,6 +115,35 @@ def test_resumed_training_equals_uninterrupted_training(tmp_path):
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
     assert stats["final_loss"] > 0 and stats["seconds_of_audio"] > 0
+    # layer freezing's scores cover the whole training, across the resume too
+    assert resumed_stats["layer_grad_sq_sums"] == stats["layer_grad_sq_sums"]
+
+
+def test_seed_training_sums_each_parameters_squared_gradient_norm_before_clipping(tmp_path):
+    """Paper 003 scores layers by ‖∂L/∂θ_h‖² summed over the whole public training: after one
+    step the sums are exactly that step's squared gradient norms (taken before clipping)."""
+    store = tone_store(tmp_path / "store")
+    recipe = RECIPE.model_copy(update={"steps": 1, "grad_clip": 1e-3})
+    augment = SpecAugmentRecipe(enabled=False)
+    torch.manual_seed(0)
+    model = build_model("tiny", vocab_size=tokenizer_for("en").size, dropout=0.0, layer_drop=0.0)
+    by_hand = build_model("tiny", vocab_size=tokenizer_for("en").size, dropout=0.0, layer_drop=0.0)
+    by_hand.load_state_dict(model.state_dict())
+    stats = train_central(model, store, recipe, augment, device="cpu", seed=3, progress=False)
+
+    utterances = list(store)
+    first = next(epoch_batches([u.seconds for u in utterances], recipe, 3))
+    batch = collate([utterances[i] for i in first])
+    by_hand.train()
+    torch.manual_seed(derived_seed(3, "step", 0))  # CAPE draws as the training step did
+    log_probs, out_lens = by_hand(batch.feats, batch.feat_lens)
+    ctc_loss(log_probs, out_lens, batch.targets, batch.target_lens).backward()
+    expected = {n: float(p.grad.double().norm() ** 2) for n, p in by_hand.named_parameters()}
+    sums = stats["layer_grad_sq_sums"]
+    assert list(sums) == list(expected)
+    assert sum(expected.values()) > recipe.grad_clip**2  # so clipping would have changed them
+    for name, value in expected.items():
+        assert abs(sums[name] - value) <= 1e-4 * value + 1e-12, name
 
 
 def test_seed_model_is_trained_once_then_reused(tmp_path):
@@ -153,6 +186,7 @@ def test_seed_model_is_trained_once_then_reused(tmp_path):
     assert other != path
     loaded, meta = load_model(path)
     assert meta["kind"] == "seed" and meta["training"]["steps"] == 4 and meta["seed"] == 1
+    assert set(meta["training"]["layer_grad_sq_sums"]) == {n for n, _ in model.named_parameters()}
 
 
 def test_a_task_without_seed_data_gets_a_seeded_fresh_model(tmp_path):

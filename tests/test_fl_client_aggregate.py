@@ -4,13 +4,15 @@ import math
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from pflbench.fl.aggregate import StepAggregator
 from pflbench.fl.bench import RandomUserStore
 from pflbench.fl.client import ClientTrainer, limit_utterances, local_batches, variational_noise_std
-from pflbench.fl.distributed import DistContext
+from pflbench.fl.sampling import expected_cohort, sample_cohort
 from pflbench.model.transformer import build_model
-from pflbench.spec.models import ClientRecipe, PrivacyRecipe, SpecAugmentRecipe
+from pflbench.privacy.noise import add_gaussian_noise, client_noise_std, noise_generator
+from pflbench.spec.models import ClientRecipe, PrivacyRecipe, Recipe, SpecAugmentRecipe
 
 STORE = RandomUserStore(num_users=3, utterances_per_user=6)
 
@@ -110,7 +112,7 @@ def test_aggregate_clips_sums_and_averages():
     agg = _aggregator(PrivacyRecipe(clipping="global", clip_bound=1.0))
     agg.add({"a": torch.tensor([3.0, 0, 0]), "b": torch.tensor([4.0, 0])}, "u1", 1.0, 2, 10)
     agg.add({"a": torch.tensor([0.0, 0.5, 0]), "b": torch.tensor([0.0, 0])}, "u2", 3.0, 2, 10)
-    grads, stats = agg.finish(DistContext())
+    grads, stats = agg.finish()
     # u1 (norm 5) is clipped to norm 1: [0.6, 0, 0], [0.8, 0]; u2 is inside the bound.
     torch.testing.assert_close(grads[0], torch.tensor([0.3, 0.25, 0.0]))
     torch.testing.assert_close(grads[1], torch.tensor([0.4, 0.0]))
@@ -125,10 +127,73 @@ def test_nonfinite_update_is_zeroed_and_counted():
     agg = _aggregator(PrivacyRecipe(clipping="perlayer", clip_bound=1.0))
     agg.add({"a": torch.tensor([float("nan"), 0, 0]), "b": torch.ones(2)}, "bad", 9.0, 2, 10)
     agg.add({"a": torch.full((3,), 0.1), "b": torch.zeros(2)}, "good", 1.0, 2, 10)
-    grads, stats = agg.finish(DistContext())
+    grads, stats = agg.finish()
     assert stats["nonfinite_updates"] == 1 and stats["loss"] == 1.0
     assert all(torch.isfinite(g).all() for g in grads)
     torch.testing.assert_close(grads[0], torch.full((3,), 0.05))
+
+
+# Every placement/sampling combination a recipe allows; client noise with Poisson is refused.
+ALLOWED = [("server", "poisson"), ("server", "fixed"), ("client", "fixed")]
+K, S, C, SIGMA, WIDTH, STEPS = 40, 8, 0.5, 0.1, 400, 60
+
+
+def denominator(sampling: str) -> float:
+    """What the simulator divides the sum by: qK (Poisson) or S (fixed)."""
+    return expected_cohort(K, S) if sampling == "poisson" else min(S, K)
+
+
+@pytest.mark.parametrize(("placement", "sampling"), ALLOWED)
+def test_noise_std_on_the_average_is_c_sigma_for_every_allowed_configuration(placement, sampling):
+    # The real cohort sampler and StepAggregator over many keyed steps; users send zero updates,
+    # so what comes out is the noise on the average alone.
+    privacy = PrivacyRecipe(clipping="global", clip_bound=C, noise_placement=placement)
+    Recipe(privacy=privacy, federated={"sampling": sampling, "cohort_size": S})  # allowed
+    noise, ratios = [], []
+    for step in range(STEPS):
+        like = {"w": torch.zeros(WIDTH // 2), "b": torch.zeros(WIDTH // 2)}
+        agg = StepAggregator(like, privacy, SIGMA, denominator(sampling), update_bound=10.0,
+                             seed=11, step=step, device="cpu")  # fmt: skip
+        for user in sample_cohort(K, S, sampling, seed=11, step=step).tolist():
+            agg.add({name: torch.zeros_like(t) for name, t in like.items()}, f"u{user}", 0, 1, 1)
+        grads, _ = agg.finish()
+        step_noise = torch.cat(grads).double()
+        noise.append(step_noise)
+        ratios.append(float(step_noise.std()) / (C * SIGMA))
+    pooled = float(torch.cat(noise).std()) / (C * SIGMA)
+    assert abs(pooled - 1) < 0.05  # its standard error here is ~0.3%
+    assert all(abs(r - 1) < 0.2 for r in ratios)  # and every step, not just on average
+    assert abs(float(torch.cat(noise).mean())) < 5 * C * SIGMA / math.sqrt(STEPS * WIDTH)
+
+
+def test_client_noise_with_poisson_sampling_is_refused_where_it_would_be_wrong():
+    # Were it allowed: each of the |K_t| users adds std C·σ·√(qK), the sum is divided by qK, so
+    # step t's noise has std C·σ·√(|K_t|/qK) on the average (none at all when |K_t| = 0).
+    qk = expected_cohort(K, S)
+    std = client_noise_std(C, SIGMA, qk)
+    realized = {}
+    for step in range(STEPS):
+        cohort = sample_cohort(K, S, "poisson", seed=11, step=step).tolist()
+        total = torch.zeros(WIDTH, dtype=torch.float64)
+        for user in cohort:
+            update = {"w": torch.zeros(WIDTH)}
+            add_gaussian_noise(update, std, noise_generator(11, step, user=f"u{user}"))
+            total += update["w"].double()
+        ratio = float((total / qk).std()) / (C * SIGMA) if cohort else 0.0
+        assert ratio == pytest.approx(math.sqrt(len(cohort) / qk), rel=0.15)
+        realized[len(cohort)] = ratio
+    assert min(realized.values()) < 0.8 and max(realized.values()) > 1.2  # far from C·σ
+    # The recipe refuses the combination ...
+    with pytest.raises(ValidationError, match="noise_placement: client needs federated.sampling"):
+        Recipe(privacy={"noise_placement": "client"}, federated={"sampling": "poisson"})
+    # ... and so does the aggregator, whatever it is handed: the client count must be qK.
+    privacy = PrivacyRecipe(clipping="global", clip_bound=C, noise_placement="client")
+    agg = StepAggregator({"w": torch.zeros(WIDTH)}, privacy, SIGMA, qk, update_bound=10.0,
+                         seed=11, step=0, device="cpu")  # fmt: skip
+    for user in range(S - 3):
+        agg.add({"w": torch.zeros(WIDTH)}, f"u{user}", 0, 1, 1)
+    with pytest.raises(ValueError, match="client-side noise needs exactly 8 clients"):
+        agg.finish()
 
 
 @pytest.mark.parametrize("placement", ["server", "client"])
@@ -138,12 +203,12 @@ def test_noise_std_on_the_average_is_c_sigma(placement):
     agg = _aggregator(privacy, sigma_dp=0.1, like=like)
     for user in ("u1", "u2"):
         agg.add({"w": torch.zeros(20_000)}, user, 0.0, 1, 1)
-    grads, stats = agg.finish(DistContext())
+    grads, stats = agg.finish()
     assert grads[0].std().item() == pytest.approx(0.5 * 0.1, rel=0.03)
     before = stats["diagnostics"]["update_norm_before_noise"]
     assert before == (0.0 if placement == "server" else None)
     again = _aggregator(privacy, sigma_dp=0.1, like=like)
     for user in ("u2", "u1"):  # order does not matter: streams are keyed by user
         again.add({"w": torch.zeros(20_000)}, user, 0.0, 1, 1)
-    assert torch.equal(again.finish(DistContext())[0][0], grads[0])
+    assert torch.equal(again.finish()[0][0], grads[0])
     assert math.isfinite(stats["diagnostics"]["update_norm_after_noise"])

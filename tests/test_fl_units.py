@@ -5,11 +5,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
+from pflbench.errors import UserError
 from pflbench.fl.distributed import _buckets, assign_users
-from pflbench.fl.freeze import select_trained
+from pflbench.fl.freeze import layer_scores, select_trained
 from pflbench.fl.sampling import keyed_seed, sample_cohort
-from pflbench.fl.server import ServerOptimizer, learning_rate
+from pflbench.fl.server import ServerOptimizer, learning_rate, trust_ratios
 from pflbench.spec.models import LrDecay, ServerRecipe
 
 # ---------------------------------------------------------------------------------------------
@@ -88,10 +91,69 @@ def test_lars_scales_by_norm_ratio_with_momentum():
     assert _one_step("lars", steps=2, momentum=0.5) == pytest.approx(expected, rel=1e-6)
 
 
-def test_adagrad_step():
+def test_adagrad_reference_rule_two_steps_by_hand():
+    # The paper authors' rule: acc from 0, acc += g², θ -= lr·g·(1/√acc + ξ).
+    theta = torch.tensor([3.0, 4.0, 5.0], dtype=torch.float64)
+    recipe = ServerRecipe(optimizer="adagrad", eps=1e-8)
+    assert recipe.adagrad_rule == "reference"
+    opt = ServerOptimizer(recipe, ["w"], [theta])
+    opt.step([torch.tensor([1.0, 2.0, 0.0], dtype=torch.float64)], lr=0.1)
+    # acc = [1, 4, 0]: 1·(1/1 + ξ), 2·(1/2 + ξ); the never-moved coordinate has 0/0 → 0.
+    expected = [3 - 0.1 * (1 + 1e-8), 4 - 0.1 * 2 * (0.5 + 1e-8), 5.0]
+    assert theta.tolist() == pytest.approx(expected, rel=1e-12)
+    assert theta[2] == 5.0
+    opt.step([torch.tensor([0.5, -1.0, 0.0], dtype=torch.float64)], lr=0.1)
+    # acc = [1.25, 5, 0]
+    expected[0] -= 0.1 * 0.5 * (1 / math.sqrt(1.25) + 1e-8)
+    expected[1] += 0.1 * 1.0 * (1 / math.sqrt(5.0) + 1e-8)
+    assert theta.tolist() == pytest.approx(expected, rel=1e-12)
+    assert theta[2] == 5.0 and opt.state["acc"][0].tolist() == [1.25, 5.0, 0.0]
+
+
+def test_adagrad_reference_first_step_is_lr_per_coordinate_not_optax_sized():
+    # The paper's pseudo-gradients are tiny (C = 0.01 over many parameters): the reference rule's
+    # first step moves each coordinate by ~lr; optax's accumulator 0.1 shrinks it to lr·|g|/0.316.
+    g = torch.full((4,), 1e-5)
+    moved = {}
+    for rule in ("reference", "optax"):
+        theta = torch.zeros(4)
+        ServerOptimizer(ServerRecipe(optimizer="adagrad", adagrad_rule=rule), ["w"], [theta]).step(
+            [g], lr=0.015
+        )
+        moved[rule] = float(theta.abs().max())
+    assert moved["reference"] == pytest.approx(0.015, rel=1e-4)
+    assert moved["optax"] == pytest.approx(0.015 * 1e-5 / math.sqrt(0.1 + 1e-10), rel=1e-4)
+    assert moved["reference"] / moved["optax"] > 30_000
+
+
+def test_adagrad_reference_rule_never_makes_nan():
+    theta = torch.tensor([1.0, 2.0, 3.0])
+    opt = ServerOptimizer(ServerRecipe(optimizer="adagrad", eps=1e-8), ["w"], [theta])
+    opt.step([torch.zeros(3)], lr=0.1)  # 0/0 everywhere
+    assert theta.tolist() == [1.0, 2.0, 3.0]
+    opt.step([torch.tensor([1e-30, 0.0, -1e-30])], lr=0.1)  # g² underflows to 0 in fp32
+    assert torch.isfinite(theta).all() and theta.tolist() == pytest.approx([1.0, 2.0, 3.0])
+
+
+def test_adagrad_optax_rule_step():
     eps = 1e-6
     expected = [3 - 0.1 * 1 / math.sqrt(0.1 + 1 + eps), 4 - 0.1 * 2 / math.sqrt(0.1 + 4 + eps)]
-    assert _one_step("adagrad", eps=eps) == pytest.approx(expected, rel=1e-6)
+    assert _one_step("adagrad", eps=eps, adagrad_rule="optax") == pytest.approx(expected, rel=1e-6)
+
+
+def test_lars_trust_ratio_is_one_where_the_parameter_norm_is_zero():
+    # optax.scale_by_trust_ratio: where ‖θ‖ or ‖u‖ is 0 the ratio is 1, not the coefficient.
+    theta = torch.zeros(2)
+    ServerOptimizer(ServerRecipe(optimizer="lars"), ["w"], [theta]).step(
+        [torch.tensor([1.0, 2.0])], lr=0.1
+    )
+    assert theta.tolist() == pytest.approx([-0.1, -0.2], rel=1e-6)
+    ratios = trust_ratios(
+        [torch.zeros(2), torch.ones(2), torch.ones(2)],
+        [torch.ones(2), torch.zeros(2), torch.ones(2)],
+        coefficient=0.001,
+    )
+    assert ratios.tolist() == pytest.approx([1.0, 1.0, 0.001])
 
 
 def test_sgd_with_momentum_two_steps():
@@ -153,4 +215,37 @@ def test_select_trained_top_and_bottom():
     assert select_trained(scores, sizes, 10, "top") == ["a"]
     assert select_trained(scores, sizes, 10, "bottom") == ["b", "c", "d"]
     assert select_trained(scores, sizes, 80, "top") == ["a", "c"]
-    assert select_trained(scores, sizes, 1, "top") == ["a"]  # never empty
+    # 003 stops at the first tensor that would overshoot p%: "b" would fit after "c", but the
+    # walk has ended.
+    assert select_trained(scores, sizes, 85, "top") == ["a", "c"]
+
+
+def test_select_trained_never_goes_beyond_p_percent():
+    scores = {"a": 5.0, "b": 1.0, "c": 3.0, "d": 0.5}
+    sizes = {"a": 10, "b": 10, "c": 70, "d": 10}
+    # "a" alone holds 10% > 1%: the top set is empty, so freezing the top freezes nothing ...
+    assert select_trained(scores, sizes, 1, "bottom") == ["a", "b", "c", "d"]
+    # ... and training only the top would train nothing: refused.
+    with pytest.raises(UserError, match="holds 10% of the parameters, more than"):
+        select_trained(scores, sizes, 1, "top")
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    layers=st.lists(st.tuples(st.floats(0, 1e6), st.integers(1, 10**6)), min_size=1, max_size=30),
+    percent=st.floats(0.01, 100),
+)
+def test_the_top_set_holds_at_most_p_percent(layers, percent):
+    scores = {f"t{i}": score for i, (score, _) in enumerate(layers)}
+    sizes = {f"t{i}": size for i, (_, size) in enumerate(layers)}
+    bottom = set(select_trained(scores, sizes, percent, "bottom"))
+    top = set(scores) - bottom
+    assert sum(sizes[n] for n in top) <= percent / 100 * sum(sizes.values())
+    if top:  # the top set is a prefix of the ranking
+        ranked = sorted(scores, key=lambda n: (-scores[n], n))
+        assert set(ranked[: len(top)]) == top
+        assert select_trained(scores, sizes, percent, "top") == [n for n in scores if n in top]
+
+
+def test_layer_scores_are_squared_gradient_sums_per_dimension():
+    assert layer_scores({"w": 12.0, "b": 3.0}, {"w": 4, "b": 1}) == {"w": 3.0, "b": 3.0}

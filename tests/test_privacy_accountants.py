@@ -250,3 +250,28 @@ def test_statement_rejects_bad_scales():
         privacy_statement(1e-5, 0.01, 5000, 1000, 100, DELTA, "poisson", None)
     with pytest.raises(UserError, match="sampling"):
         privacy_statement(1e-5, 0.01, 10, 1000, 100, DELTA, "uniform", None)
+
+
+def test_statement_names_the_claiming_accountant_and_the_user_unit():
+    statement = privacy_statement(3e-6, 0.01, 1024, 34_753, 2006, DELTA, "fixed", HIGH_POP)
+    assert statement["claimed_by"] == "rdp" and statement["unit"] == "user"
+    assert "pseudo" not in statement["mechanism"] + statement["how"]
+    pld_budget = HIGH_POP.model_copy(update={"accountant": "pld"})
+    statement = privacy_statement(
+        3e-6, 0.01, 1024, 34_753, 2006, DELTA, "fixed", pld_budget, accountants=("rdp",)
+    )
+    assert statement["claimed_by"] == "pld" and "pld" in statement["extrapolated"]["epsilon"]
+
+
+def test_statement_on_pseudo_users_says_the_guarantee_is_per_pseudo_user():
+    statement = privacy_statement(
+        3e-6, 0.01, 1024, 34_753, 2006, DELTA, "fixed", HIGH_POP, pseudo_users=True
+    )
+    assert statement["unit"] == "pseudo-user"
+    assert statement["mechanism"].startswith("pseudo-user-level DP")
+    assert "not everything one speaker said" in statement["how"]
+
+
+def test_statement_refuses_more_steps_than_the_budget_covers():
+    with pytest.raises(UserError, match=r"3000 central steps .* T = 2034; .* would be 7\.70"):
+        privacy_statement(3e-6, 0.01, 1024, 34_753, 3000, DELTA, "fixed", HIGH_POP)

@@ -152,3 +152,114 @@ def test_zero_if_nonfinite_with_empty_tensors():
     update = {"empty": torch.ones(0), "b": torch.tensor([1.0, float("nan")])}
     assert zero_if_nonfinite(update) is True and torch.equal(update["b"], torch.zeros(2))
     assert zero_if_nonfinite({"empty": torch.ones(0, 3), "c": torch.ones(2)}) is False
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-layer rules: "clip" (Definition 3) and "normalize" (the paper authors' code)
+
+STRICT = 1 + 2**-22  # two fp32 roundings of C_h: the margin must absorb the dtype's own rounding
+
+# Per-layer scale exponents down to where the dtype's squares are subnormal or underflow, and
+# all-zero layers: the rules must keep ||Δ|| <= C for any input a client can send.
+EXPONENTS = {
+    torch.float16: (-7.0, 2.0),
+    torch.bfloat16: (-40.0, 3.0),
+    torch.float32: (-40.0, 3.0),
+    torch.float64: (-300.0, 3.0),
+}
+
+
+@st.composite
+def wide_updates(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    low, high = EXPONENTS[dtype]
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
+    update = {}
+    for h in range(draw(st.integers(1, 6))):
+        shape = draw(st.lists(st.integers(1, 24), min_size=1, max_size=3))
+        scale = 0.0 if draw(st.integers(0, 5)) == 0 else 10 ** draw(st.floats(low, high))
+        values = torch.randn(shape, generator=generator, dtype=torch.float64) * scale
+        update[f"layer{h}.weight"] = values.to(dtype)
+    return update
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    update=wide_updates(),
+    ratio=bound_ratios,
+    mode=st.sampled_from(["uniform", "dim"]),
+    rule=st.sampled_from(["clip", "normalize"]),
+)
+def test_both_perlayer_rules_keep_the_total_norm_within_c(update, ratio, mode, rule):
+    total = math.sqrt(sum(norm64(t) ** 2 for t in update.values()))
+    # C is the recipe's (the paper goes down to 1e-8); the update is whatever a client sends.
+    # fp16 layers clipped below ~1e-2 land in fp16's subnormal range, whose rounding is absolute
+    # (2^-25) and beyond any relative margin; pflbench's updates are fp32 (autocast keeps the
+    # parameters fp32), so fp16 is held to its normal range there.
+    half = any(t.dtype == torch.float16 for t in update.values())
+    bound = max(total * ratio, 1e-2 if half else 1e-8)
+    bounds = layer_bounds([t.numel() for t in update.values()], bound, mode).tolist()
+    result = clip_update(update, "perlayer", bound, perlayer_mode=mode, perlayer_rule=rule)
+    norms = [norm64(t) for t in result.update.values()]
+    assert math.sqrt(sum(n**2 for n in norms)) <= bound * STRICT
+    # clip bounds every layer by C_h; normalize does whenever it acts (||Δ|| > C).
+    if rule == "clip" or result.total_norm > bound:
+        assert all(n <= b * STRICT for n, b in zip(norms, bounds, strict=True))
+    assert all(torch.isfinite(t).all() for t in result.update.values())
+
+
+@settings(max_examples=150, deadline=None)
+@given(update=updates(), ratio=bound_ratios, mode=st.sampled_from(["uniform", "dim"]))
+def test_normalize_sets_every_layer_to_its_bound_when_the_update_is_over_c(update, ratio, mode):
+    total = math.sqrt(sum(norm64(t) ** 2 for t in update.values()))
+    bound = total * ratio
+    original = {k: v.clone() for k, v in update.items()}
+    bounds = layer_bounds([t.numel() for t in update.values()], bound, mode).tolist()
+    result = clip_update(update, "perlayer", bound, perlayer_mode=mode, perlayer_rule="normalize")
+    if total <= bound * INSIDE:
+        assert all(torch.equal(result.update[k], original[k]) for k in original)
+        assert not result.changed
+    elif total > bound:
+        eps = max(torch.finfo(t.dtype).eps for t in original.values())
+        for tensor, layer_bound in zip(result.update.values(), bounds, strict=True):
+            assert norm64(tensor) == pytest.approx(layer_bound, rel=4 * eps + 1e-6)
+        assert result.changed
+
+
+def test_the_two_rules_by_hand():
+    # C = 1, uniform: C_h = 1/sqrt(2). Layer a is over its bound, layer b far inside it.
+    update = {"a": torch.tensor([3.0, 4.0]), "b": torch.tensor([0.0, 0.1])}
+    c_h = 1 / math.sqrt(2)
+    clipped = clip_update(update, "perlayer", 1.0, perlayer_mode="uniform", perlayer_rule="clip")
+    assert clipped.update["a"].tolist() == pytest.approx([0.6 * c_h, 0.8 * c_h], rel=1e-6)
+    assert torch.equal(clipped.update["b"], update["b"])
+    scaled = clip_update(
+        update, "perlayer", 1.0, perlayer_mode="uniform", perlayer_rule="normalize"
+    )
+    assert scaled.update["a"].tolist() == pytest.approx([0.6 * c_h, 0.8 * c_h], rel=1e-6)
+    assert scaled.update["b"].tolist() == pytest.approx([0.0, c_h], rel=1e-6)  # scaled up
+    assert scaled.factors[1] == pytest.approx(c_h / 0.1, rel=1e-6)
+    # ||Δ|| = 0.85 <= C: normalize leaves it alone although layer a is over C_h; clip does not.
+    inside = {"a": torch.tensor([0.6, 0.6]), "b": torch.zeros(2)}
+    left = clip_update(inside, "perlayer", 1.0, perlayer_mode="uniform", perlayer_rule="normalize")
+    assert torch.equal(left.update["a"], inside["a"]) and not left.changed
+    cut = clip_update(inside, "perlayer", 1.0, perlayer_mode="uniform", perlayer_rule="clip")
+    assert norm64(cut.update["a"]) == pytest.approx(c_h, rel=1e-6) and cut.changed
+
+
+def test_normalize_does_not_overshoot_a_layer_measured_on_subnormal_squares():
+    # 1e-20² is subnormal in fp32: its norm is measured 2.7e-6 too small, so scaling it up by
+    # C_h / measured overshoots C_h by more than the rounding margin unless the result is checked.
+    update = {"big": torch.full((4,), 1.0), "tiny": torch.full((4,), 1e-20)}
+    result = clip_update(
+        update, "perlayer", 1.0, perlayer_mode="uniform", perlayer_rule="normalize"
+    )
+    c_h = 1 / math.sqrt(2)
+    assert norm64(result.update["tiny"]) <= c_h * STRICT
+    assert norm64(result.update["tiny"]) == pytest.approx(c_h, rel=1e-5)
+    assert norm64(result.update["big"]) == pytest.approx(c_h, rel=1e-6)
+
+
+def test_unknown_perlayer_rule_is_rejected():
+    with pytest.raises(ValueError, match="rule"):
+        clip_update({"a": torch.ones(2)}, "perlayer", 1.0, perlayer_rule="rescale")

@@ -99,7 +99,7 @@ def test_valid_dp_run_is_filed_and_shown(tmp_path, registry, dp_record):
         expected.name
     ]
     text = render_leaderboard(load_results(tmp_path / "results"), {"fx-task": 2})
-    assert "| perlayer-dim | 30.00 | 35.00 | 1.42 rdp |" in text
+    assert "| perlayer-dim (rule: clip) | 30.00 | 35.00 | 1.42 rdp |" in text
 
 
 def test_no_dp_run_is_filed(tmp_path, registry):
@@ -146,7 +146,7 @@ def test_old_task_version_needs_stale_and_is_shown_stale(tmp_path, registry, dp_
     accepted = submit(tmp_path / "run", tmp_path / "results", registry, stale_ok=True)
     assert accepted.stale
     text = render_leaderboard(load_results(tmp_path / "results"), {"fx-task": 2})
-    assert "perlayer-dim ⚠ stale (v1)" in text
+    assert "perlayer-dim (rule: clip) ⚠ stale (v1)" in text
 
 
 def test_privacy_claim_mismatch(tmp_path, registry, dp_record):
@@ -165,6 +165,42 @@ def test_epsilon_above_budget(tmp_path, registry):
     # An honest claim (the accountants agree) for too little noise for the budget it is filed under.
     record = make_record(registry, sigma_dp=SIGMA_DP * 0.8)
     refused(tmp_path, registry, record, "above the budget 'fx-dp'")
+
+
+def test_a_pld_budget_is_claimed_and_checked_by_pld(tmp_path, registry):
+    """One accountant choice: the budget's. σ_DP = 0.01 gives ε = 0.82 by PLD and 1.42 by RDP at
+    fx-dp-pld's scale, so the run meets its ε = 1.0 budget by the budget's own accountant."""
+    record = make_record(registry, budget="fx-dp-pld")
+    assert record["privacy"]["claimed_by"] == "pld"
+    accepted = submit(write_run(tmp_path / "run", record), tmp_path / "results", registry)
+    assert accepted.record.privacy.extrapolated.epsilon["pld"].epsilon <= 1.0
+    text = render_leaderboard(load_results(tmp_path / "results"), {"fx-task": 2})
+    assert "| 0.816 pld |" in text
+
+
+def test_a_claim_by_another_accountant_than_the_budgets_is_refused(tmp_path, registry):
+    record = copy.deepcopy(make_record(registry, budget="fx-dp-pld"))
+    record["privacy"]["claimed_by"] = "rdp"
+    refused(tmp_path, registry, finalize(record), "privacy.claimed_by is 'rdp' but the config")
+
+
+def test_a_run_with_more_steps_than_its_budget_is_refused(tmp_path, registry, dp_record):
+    record = copy.deepcopy(dp_record)
+    record["config"]["recipe"]["federated"]["central_steps"] = 60  # fx-dp: T = 50
+    record["privacy"]["simulated"]["steps"] = 60
+    refused(tmp_path, registry, finalize(record), "60 central steps .* T = 50")
+
+
+def test_leaderboard_says_a_pseudo_user_epsilon_is_per_pseudo_user(tmp_path, registry, dp_record):
+    record = copy.deepcopy(dp_record)
+    record["privacy"]["unit"] = "pseudo-user"  # as a run on an -iid task writes it
+    record = finalize(record)
+    (tmp_path / "record.json").write_text(json.dumps(record))
+    path = record_path(tmp_path / "results", load_record(tmp_path / "record.json")[0])
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(record))
+    text = render_leaderboard(load_results(tmp_path / "results"), {"fx-task": 2})
+    assert "| 1.42 rdp, per pseudo-user |" in text
 
 
 def test_dp_budget_without_claim(tmp_path, registry, dp_record):

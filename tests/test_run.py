@@ -74,6 +74,7 @@ def test_each_baseline_writes_a_valid_record(env, tmp_path, baseline):
     assert {h.step for h in record.metrics.history} == {2, 3}
     assert record.privacy.dp == (budget != "none")
     assert record.compute.central_steps == 3 and record.diagnostics.nonfinite_updates == 0
+    assert record.diagnostics.private is False
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == [0, 1, 2]
     assert all(x["diagnostics"]["private"] is False for x in lines if "loss" in x)
@@ -177,6 +178,17 @@ def test_real_task_without_corpora_fails_fast(tmp_path):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 2, err
     assert "synth" in err and "Traceback" not in err
+
+
+def test_a_run_with_more_steps_than_its_budget_is_refused_before_it_starts(tmp_path):
+    """eps7.2-high-pop is calibrated for T = 2,034 steps: at 3,000 its ε would be 7.70."""
+    proc = _cli("--task", "synth-cv-en-ls-seed", "--baseline", "perlayer-dim",
+                "--budget", "eps7.2-high-pop", "--set", "federated.central_steps=3000",
+                "--data-root", str(tmp_path), "--out", str(tmp_path / "run"))  # fmt: skip
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 2, err
+    assert "3000 central steps" in err and "T = 2034" in err and "7.70" in err
+    assert "Traceback" not in err and not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow

@@ -34,7 +34,7 @@ PAPER_TASKS = {
 }
 # Golden: sha256 of the canonical JSON of the fixture run. It changes only when the RunConfig
 # schema or the fixture specs change; then review the change and update it deliberately.
-GOLDEN_HASH = "d653696a6718f644dfd4f8b1eea9e20a1377554fce68ca1e781ecbef00541415"
+GOLDEN_HASH = "036a46bf29c6d59266300c101b174e92cedf49ed4a46fd09a41b13e8702e4eab"
 
 
 def fixture_config(**kw):
@@ -147,6 +147,10 @@ def test_overrides_apply_in_order_and_parse_types():
         (["federated.cohort_size=many"], "federated.cohort_size"),
         (["privacy.clipping=sometimes"], "privacy.clipping"),
         (["nokey"], "expected key.path=value"),
+        # the accountant is the budget's alone (Budget.accountant)
+        (["privacy.accountant=pld"], "accountant: unknown key"),
+        # client-side noise is only right with exactly S users per step
+        (["privacy.noise_placement=client"], "needs federated.sampling: fixed"),
     ],
 )
 def test_bad_set_overrides(sets, needle):

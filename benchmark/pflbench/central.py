@@ -140,6 +140,7 @@ def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, Tensor
 
 
 LAST = "central-last.safetensors"
+GRAD_SQ = "layer_grad_sq"  # the resume checkpoint's running Σ‖g_h‖² (float64 [H])
 
 
 def epoch_batches(seconds: list[float], recipe: CentralRecipe, seed: int) -> Iterator[list[int]]:
@@ -162,7 +163,10 @@ def train_step(
     recipe: CentralRecipe,
     augment: SpecAugmentRecipe,
     generator: torch.Generator,
+    grad_sq: Tensor,
 ) -> float:
+    """One step; adds each parameter's squared gradient norm ‖∂L/∂θ_h‖² (before clipping) to
+    `grad_sq` (float64 [H], named_parameters order): layer freezing's scores (paper 003)."""
     feats = batch.feats
     if augment.enabled:
         feats = apply_spec_augment(
@@ -172,7 +176,10 @@ def train_step(
     loss = ctc_loss(log_probs, out_lens, batch.targets, batch.target_lens)
     opt.zero_grad(set_to_none=True)
     loss.backward()
-    nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+    params = list(model.parameters())
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    grad_sq += torch.stack(torch._foreach_norm(grads)).double() ** 2
+    nn.utils.clip_grad_norm_(params, recipe.grad_clip)
     opt.step()
     return loss.item()
 
@@ -199,16 +206,22 @@ def train_central(
     progress: bool = True,
     resume_dir: Path | None = None,
 ) -> dict:
-    """Train `model` in place for recipe.steps steps; returns stats. With `resume_dir`, the state
+    """Train `model` in place for recipe.steps steps; returns stats, with the per-parameter sums
+    of squared gradient norms over all steps (`layer_grad_sq_sums`). With `resume_dir`, the state
     is checkpointed there every ~10% of the steps and a previous partial run is continued."""
     model.to(device).train()
     opt = make_central_optimizer(model.named_parameters(), recipe)
+    names = [name for name, _ in model.named_parameters()]
+    grad_sq = torch.zeros(len(names), dtype=torch.float64, device=device)
     start = 0
     last = Path(resume_dir) / LAST if resume_dir else None
     if last and last.is_file() and last.with_suffix(".json").is_file():
         tensors, meta = load_checkpoint(last)
-        model.load_state_dict({k: v for k, v in tensors.items() if not k.startswith("optim.")})
+        model.load_state_dict(
+            {k: v for k, v in tensors.items() if not k.startswith(("optim.", GRAD_SQ))}
+        )
         load_optimizer_tensors(opt, tensors)
+        grad_sq.copy_(tensors[GRAD_SQ])
         start = int(meta["step"])
     utterances = list(store)  # the seed corpus is held in memory for the run
     batches = epoch_batches([u.seconds for u in utterances], recipe, seed)
@@ -226,14 +239,14 @@ def train_central(
                 group["lr"] = learning_rate(recipe, step)
             batch = collate([utterances[i] for i in idx]).to(device)
             gen = torch.Generator().manual_seed(derived_seed(seed, "specaug", step))
-            losses.append(train_step(model, opt, batch, recipe, spec_augment, gen))
+            losses.append(train_step(model, opt, batch, recipe, spec_augment, gen, grad_sq))
             audio += sum(utterances[i].seconds for i in idx)
             rate = audio / (time.perf_counter() - t0)
             bar.update(task, advance=1, info=f"loss {losses[-1]:7.2f}  {rate:6.1f} s-audio/s")
             if last and ((step + 1) % save_every == 0 or step + 1 == recipe.steps):
                 save_checkpoint(
                     last,
-                    {**model.state_dict(), **optimizer_tensors(opt)},
+                    {**model.state_dict(), **optimizer_tensors(opt), GRAD_SQ: grad_sq},
                     {"step": step + 1, "seed": seed},
                 )
     wall = time.perf_counter() - t0
@@ -245,6 +258,7 @@ def train_central(
         "wall_seconds": wall,
         "audio_seconds_per_second": audio / wall if wall > 0 else None,
         "final_loss": sum(tail) / len(tail) if tail else None,
+        "layer_grad_sq_sums": dict(zip(names, grad_sq.tolist(), strict=True)),
     }
 
 
@@ -252,8 +266,14 @@ def train_central(
 # The task's seed model, cached
 
 
+# Bumped when a cached seed model's files change meaning or content, so no older cache is read:
+# 2 = the sidecar holds layer_grad_sq_sums (layer freezing's scores).
+SEED_FORMAT = 2
+
+
 def seed_key(task: Task, recipe: Recipe, seed: int, vocab: list[str], digest: str) -> str:
     parts = {
+        "format": SEED_FORMAT,
         "seed_data": task.seed_data.model_dump(mode="json") if task.seed_data else None,
         "synthetic": task.synthetic.model_dump(mode="json") if task.synthetic else None,
         "model": recipe.model.model_dump(mode="json"),

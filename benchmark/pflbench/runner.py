@@ -120,8 +120,11 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> None:
 
 
 def check_privacy(config: RunConfig) -> None:
-    """DP noise is calibrated to a clipping bound: a DP budget needs a clipping baseline, and
+    """Refuse runs a DP budget cannot cover: DP noise is calibrated to a clipping bound (so the
+    baseline must clip), and to the budget's T (so the run may not take more central steps);
     training that is not federated has no DP mechanism at all."""
+    from pflbench.privacy.statement import check_steps_within_budget
+
     training = config.recipe.training
     if config.budget.dp and training != "federated":
         raise UserError(
@@ -134,6 +137,8 @@ def check_privacy(config: RunConfig) -> None:
             f"(privacy.clipping: none), so budget {config.budget.name!r} cannot be met; "
             "use --budget none or a clipping baseline"
         )
+    steps = config.recipe.federated.central_steps
+    check_steps_within_budget(steps, config.budget, "federated.central_steps")
 
 
 def run_noise(config: RunConfig) -> float:
@@ -178,6 +183,7 @@ def privacy_claim(config: RunConfig, sigma_dp: float, population: int) -> dict:
         delta=config.budget.delta or DEFAULT_DELTA,
         sampling=fed.sampling,
         budget=config.budget if config.budget.dp else None,
+        pseudo_users=config.task.federated_data.iid,
     )
 
 
@@ -322,27 +328,28 @@ def _prepare(config: RunConfig, ctx: DistContext, device: str, data_root, progre
     return data, model, seed_path
 
 
-def trained_tensors(config: RunConfig, model: torch.nn.Module, data, device: str) -> list[str]:
-    """All parameter names, or those layer freezing leaves trainable."""
-    from pflbench.data.batching import collate, dynamic_batches
+def trained_tensors(config: RunConfig, model: torch.nn.Module, seed_path: Path | None) -> list[str]:
+    """All parameter names, or those layer freezing leaves trainable (scored by the squared
+    gradients the seed training accumulated, stored beside the cached seed model)."""
+    from pflbench.checkpoint import meta_path
 
     names = [n for n, _ in model.named_parameters()]
     freeze = config.recipe.federated.layer_freeze
     if freeze is None:
         return names
-    store = data.seed_train
-    if store is None:
+    if seed_path is None:
         raise UserError(
-            f"task {config.task.name!r} has no seed data, which layer freezing ranks layers on"
+            f"task {config.task.name!r} has no seed data, whose training layer freezing ranks"
+            " layers by"
         )
-    torch.manual_seed(keyed_seed(config.seed, "freeze"))
-    utterances = [u for user in sorted(store.users()) for u in store.load_user(user)]
-    batch_seconds = config.recipe.central.batch_seconds
-    plan = dynamic_batches([u.seconds for u in utterances], batch_seconds)[: freeze.warm_batches]
-    batches = (collate([utterances[i] for i in idx]) for idx in plan)
-    scores = layer_scores(model, batches, device)
+    sums = json.loads(meta_path(seed_path).read_text())["training"]["layer_grad_sq_sums"]
+    if not any(sums.values()):
+        raise UserError(
+            f"layer freezing: the seed model {seed_path} saw no gradients (central.steps ="
+            f" {config.recipe.central.steps}), so there are no scores to rank layers by"
+        )
     sizes = {n: p.numel() for n, p in model.named_parameters()}
-    return select_trained(scores, sizes, freeze.train_percent, freeze.train)
+    return select_trained(layer_scores(sums, sizes), sizes, freeze.train_percent, freeze.train)
 
 
 @dataclass(frozen=True)
@@ -383,7 +390,7 @@ def _run(config, run_dir, ctx, device, options: RunOptions, started: float):
                 f"value (got {options.parallel_clients})"
             )
     else:
-        trained = trained_tensors(config, model, data, device)
+        trained = trained_tensors(config, model, seed_path)
     sim = Simulator(
         model, data.federated_train, config.recipe, sigma_dp, config.seed, device, ctx, trained,
         options.parallel_clients,
@@ -559,6 +566,7 @@ def build_record(
         "software": software_info(),
         "data": data_info(data),
         "diagnostics": {
+            "private": False,  # computed from raw client updates, like metrics.jsonl's
             "nonfinite_updates": sum(x["nonfinite_updates"] for x in steps),
             "clipped_fraction_mean": sum(fractions) / len(fractions) if fractions else None,
         },

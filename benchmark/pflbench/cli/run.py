@@ -73,7 +73,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Prepare data, train or reuse the seed model, run the central steps, evaluate, and
         write the run directory with its result record."""
-        from pflbench.runner import default_run_dir, run
+        from pflbench.runner import check_privacy, default_run_dir, run
         from pflbench.spec.registry import load_registry
         from pflbench.spec.resolve import default_budget, resolve
 
@@ -86,6 +86,7 @@ def register(app: typer.Typer) -> None:
         registry = load_registry(extra_spec_dirs(specs))
         budget = budget or default_budget(registry, task, baseline, sets or [])
         config = resolve(registry, task, baseline, budget, seed, sets or [])
+        check_privacy(config)  # before torchrun starts any process
         if nproc > 1 and "WORLD_SIZE" not in os.environ:
             sys.exit(subprocess.call(_torchrun_argv(nproc)))
         run_dir = resume or out or default_run_dir(config)

@@ -3,16 +3,20 @@
 Per client: zero a non-finite update (counted), clip it (none / global / per-layer), add
 client-side noise if that placement is chosen, and add it to an exact fixed-point sum. At the end
 of the step the sums are all-reduced across processes, divided by the expected cohort qK (Poisson)
-or S (fixed), and server-side noise N(0, (C·σ_DP)²) is added once. Memory is one sum buffer of
-the model's size, whatever the cohort; the fixed-point sum makes the result bitwise independent of
-client order and of the number of processes.
+or S (fixed), and server-side noise N(0, (C·σ_DP)²) is added once. Client-side noise (std
+C·σ_DP·√S per user) gives the average std C·σ_DP only when exactly S users took part, so it needs
+fixed-size cohorts: the recipe refuses it with Poisson sampling, and `finish` refuses a step
+whose client count differs from the denominator. Memory is one sum buffer of the model's size,
+whatever the cohort; the fixed-point sum makes the result bitwise independent of client order and
+of the number of processes. The small stats tensor stays on the CPU (it is all-reduced over gloo,
+see fl.distributed).
 """
 
 from __future__ import annotations
 
 import torch
 
-from pflbench.fl.distributed import DistContext, all_reduce_sum
+from pflbench.fl.distributed import all_reduce_sum
 from pflbench.privacy.aggregate import ExactSum
 from pflbench.privacy.clipping import clip_update, zero_if_nonfinite
 from pflbench.privacy.noise import (
@@ -64,21 +68,27 @@ class StepAggregator:
             self.privacy.clip_bound,
             perlayer_mode=self.privacy.perlayer_mode,
             in_place=True,
+            perlayer_rule=self.privacy.perlayer_rule,
         )
         if self.client_std:
             generator = noise_generator(self.seed, self.step, user=user, device=self.device)
             add_gaussian_noise(clipped.update, self.client_std, generator)
         self.sum.add(clipped.update)
         norms = clipped.norms.double().cpu()
-        was_clipped = bool((clipped.factors < 1).any())
         loss = 0.0 if nonfinite else loss
-        head = [1.0, float(nonfinite), float(was_clipped), loss, steps, frames]
+        head = [1.0, float(nonfinite), float(clipped.changed), loss, steps, frames]
         self.stats += torch.cat([torch.tensor(head, dtype=torch.float64), norms, norms**2])
 
-    def finish(self, ctx: DistContext) -> tuple[list[torch.Tensor], dict]:
+    def finish(self) -> tuple[list[torch.Tensor], dict]:
         """All-reduce, average, add server noise; returns (pseudo-gradient per tensor, stats)."""
-        all_reduce_sum(self.sum.buffers(), ctx)
-        all_reduce_sum([self.stats], ctx)
+        all_reduce_sum(self.sum.buffers())
+        all_reduce_sum([self.stats])
+        clients = float(self.stats[0])
+        if self.client_std and clients != self.denominator:
+            raise ValueError(
+                f"client-side noise needs exactly {self.denominator:g} clients per step (then the"
+                f" average's noise std is C·σ_DP), got {clients:g}: use fixed-size cohorts"
+            )
         averaged = self.sum.result(torch.float32)
         grads = [averaged[n].div_(self.denominator) for n in self.names]
         # With client-side noise the noiseless average never exists anywhere.

@@ -1,7 +1,12 @@
 """Multi-process execution: torch.distributed from torchrun's environment, straggler-aware user
 assignment, and bucketed all-reduce of flattened buffers.
 
-With one process every function here is a no-op, so the simulator has a single code path.
+A CUDA run's process group has two backends, NCCL for CUDA tensors and gloo for CPU tensors: the
+aggregation's small float64 stats tensor is built on the host client by client and all-reduced
+from there, and barriers and object collectives then go over gloo too. An NCCL-only group fails
+on the first CPU tensor ("No backend type associated with device type cpu").
+With one process there is no process group and every function here is a no-op, so the simulator
+has a single code path.
 """
 
 from __future__ import annotations
@@ -31,19 +36,28 @@ class DistContext:
         return self.rank == 0
 
 
-def init_from_env(device: str) -> DistContext:
-    """Join the process group torchrun describes (RANK/WORLD_SIZE/LOCAL_RANK); one process if unset.
+def process_group_backend(device: str) -> str:
+    """gloo on CPU; on CUDA, NCCL for CUDA tensors and gloo for CPU tensors."""
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
 
-    gloo on CPU, nccl on CUDA (each process takes the GPU of its local rank)."""
+
+def join_process_group(device: str, local_rank: int) -> None:
+    """Initialize the default process group from the environment (MASTER_ADDR/PORT, RANK,
+    WORLD_SIZE); on CUDA each process takes the GPU of its local rank."""
+    if device.startswith("cuda"):
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(process_group_backend(device), timeout=INIT_TIMEOUT)
+
+
+def init_from_env(device: str) -> DistContext:
+    """Join the process group torchrun describes (RANK/WORLD_SIZE/LOCAL_RANK); one process (no
+    group) if unset."""
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return DistContext()
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     if not dist.is_initialized():
-        if device.startswith("cuda"):
-            torch.cuda.set_device(local_rank)
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        dist.init_process_group(backend, timeout=INIT_TIMEOUT)
+        join_process_group(device, local_rank)
     return DistContext(rank=rank, world_size=world_size, local_rank=local_rank)
 
 
@@ -73,9 +87,10 @@ def assign_users(work: list[float], world_size: int) -> list[list[int]]:
     return [sorted(a) for a in assigned]
 
 
-def all_reduce_sum(tensors: list[torch.Tensor], ctx: DistContext) -> None:
-    """In-place SUM across ranks, flattening tensors of one dtype into buckets of ≤ BUCKET_BYTES."""
-    if ctx.world_size == 1 or not tensors:
+def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
+    """In-place SUM across the ranks of the process group (none: nothing to do), flattening
+    tensors of one dtype and device into buckets of ≤ BUCKET_BYTES."""
+    if not dist.is_initialized() or not tensors:
         return
     for bucket in _buckets(tensors):
         flat = _flatten_dense_tensors(bucket)

@@ -2,12 +2,16 @@
 
 Each optimizer updates a list of parameter tensors in place with foreach ops and keeps its state
 in named tensors so a checkpoint can restore it exactly. The update rules follow optax (the
-paper's library, App. G.4) with its defaults where the recipe has no key:
+paper's library, App. G.4) with its defaults where the recipe has no key, except AdaGrad, which
+follows the paper authors' code unless `adagrad_rule: optax`:
 - LAMB (paper App. E.4): Adam moments with bias correction, u = m̂/(√v̂ + ξ) + λθ,
   θ ← θ − lr·(‖θ‖/‖u‖)·u per tensor (trust ratio 1 where either norm is 0).
 - Adam: θ ← θ − lr·(m̂/(√v̂ + ξ) + λθ).
-- LARS: u = g + λθ scaled by 0.001·‖θ‖/‖u‖, then lr, then momentum (optax.lars).
-- AdaGrad: accumulator starts at 0.1, θ ← θ − lr·g/√(acc + ξ).
+- LARS: u = g + λθ scaled by 0.001·‖θ‖/‖u‖ (by 1 where either norm is 0), then lr, then
+  momentum (optax.lars).
+- AdaGrad, reference rule: acc starts at 0, acc ← acc + g², θ ← θ − lr·g·(1/√acc + ξ), with
+  1/√acc taken as 0 where acc = 0 (a coordinate whose gradients were all 0 does not move).
+- AdaGrad, optax rule: acc starts at 0.1, acc ← acc + g², θ ← θ − lr·g/√(acc + ξ).
 - SGD: optional momentum μ and weight decay λ: m ← μm + g + λθ, θ ← θ − lr·m.
 """
 
@@ -17,7 +21,7 @@ import torch
 
 from pflbench.spec.models import LrDecay, ServerRecipe
 
-ADAGRAD_INITIAL_ACCUMULATOR = 0.1  # optax.adagrad default
+OPTAX_ADAGRAD_INITIAL_ACCUMULATOR = 0.1  # optax.adagrad default
 LARS_TRUST_COEFFICIENT = 0.001  # optax.lars default (the paper's LARS lrs, Table 9, assume it)
 
 
@@ -28,12 +32,15 @@ def learning_rate(step: int, base_lr: float, decay: LrDecay) -> float:
     return base_lr * decay.rate ** ((step - decay.start) / decay.transition)
 
 
-def trust_ratios(params: list[torch.Tensor], updates: list[torch.Tensor]) -> torch.Tensor:
-    """‖θ_h‖/‖u_h‖ per tensor, 1 where either norm is zero (optax.scale_by_trust_ratio)."""
+def trust_ratios(
+    params: list[torch.Tensor], updates: list[torch.Tensor], coefficient: float = 1.0
+) -> torch.Tensor:
+    """coefficient·‖θ_h‖/‖u_h‖ per tensor, exactly 1 where either norm is zero
+    (optax.scale_by_trust_ratio)."""
     param_norms = torch.stack(torch._foreach_norm(params))
     update_norms = torch.stack(torch._foreach_norm(updates))
     usable = (param_norms > 0) & (update_norms > 0)
-    return torch.where(usable, param_norms / update_norms.clamp_min(1e-38), 1.0)
+    return torch.where(usable, coefficient * param_norms / update_norms.clamp_min(1e-38), 1.0)
 
 
 class ServerOptimizer:
@@ -50,7 +57,8 @@ class ServerOptimizer:
             self.state["m"] = [torch.zeros_like(p) for p in params]
             self.state["v"] = [torch.zeros_like(p) for p in params]
         elif kind == "adagrad":
-            self.state["acc"] = [torch.full_like(p, ADAGRAD_INITIAL_ACCUMULATOR) for p in params]
+            initial = OPTAX_ADAGRAD_INITIAL_ACCUMULATOR if recipe.adagrad_rule == "optax" else 0.0
+            self.state["acc"] = [torch.full_like(p, initial) for p in params]
         elif kind in ("lars", "sgd") and recipe.momentum > 0:
             self.state["momentum"] = [torch.zeros_like(p) for p in params]
 
@@ -90,7 +98,7 @@ class ServerOptimizer:
 
     def _lars(self, grads: list[torch.Tensor], lr: float) -> list[torch.Tensor]:
         direction = torch._foreach_add(grads, self.params, alpha=self.recipe.weight_decay)
-        ratios = LARS_TRUST_COEFFICIENT * trust_ratios(self.params, direction)
+        ratios = trust_ratios(self.params, direction, LARS_TRUST_COEFFICIENT)
         torch._foreach_mul_(direction, (-lr * ratios).tolist())
         if "momentum" not in self.state:
             return direction
@@ -102,9 +110,15 @@ class ServerOptimizer:
     def _adagrad(self, grads: list[torch.Tensor], lr: float) -> list[torch.Tensor]:
         acc = self.state["acc"]
         torch._foreach_addcmul_(acc, grads, grads)
-        denom = torch._foreach_add(acc, self.recipe.eps)
-        torch._foreach_sqrt_(denom)
-        direction = torch._foreach_div(grads, denom)
+        if self.recipe.adagrad_rule == "optax":
+            denom = torch._foreach_add(acc, self.recipe.eps)
+            torch._foreach_sqrt_(denom)
+            direction = torch._foreach_div(grads, denom)
+        else:
+            # 1/√acc is 0 where acc = 0 (then g = 0 too, up to g² underflowing): 0/0 → 0, not NaN.
+            scale = [torch.where(a > 0, a.rsqrt(), 0.0) for a in acc]
+            torch._foreach_add_(scale, self.recipe.eps)
+            direction = torch._foreach_mul(grads, scale)
         torch._foreach_mul_(direction, -lr)
         return direction
 

@@ -134,7 +134,7 @@ class Simulator:
         for group in chunks(users, self.client.group_size):
             for user, result in self.client.train_group(self.params, group, step):
                 aggregator.add(result.update, user, result.loss, result.local_steps, result.frames)
-        grads, stats = aggregator.finish(self.ctx)
+        grads, stats = aggregator.finish()
         fed = self.recipe.federated
         lr = learning_rate(step, fed.server.lr, fed.server.decay)
         self.server.step(grads, lr)

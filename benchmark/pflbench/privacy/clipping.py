@@ -1,7 +1,10 @@
 """Clipping a user's model update (name -> tensor) to an L2 bound C: globally or per layer.
 
 A layer is one named parameter tensor. Per-layer bounds C_h satisfy sum_h C_h^2 = C^2, so a
-per-layer clipped update also has ||update|| <= C and the DP sensitivity is unchanged.
+per-layer clipped update also has ||update|| <= C and the DP sensitivity is unchanged. Two
+per-layer rules: "clip" scales each layer to min(||update_h||, C_h) (paper 002, Definition 3);
+"normalize" (the paper authors' code) leaves an update with ||update|| <= C alone and otherwise
+rescales every non-zero layer to exactly C_h, scaling small layers up.
 Norms are computed in fp32 (fp64 for fp64 tensors) whatever the tensor dtype.
 """
 
@@ -24,8 +27,13 @@ NORM_ROUNDING = 2.0**-23
 class ClipResult:
     update: dict[str, Tensor]  # clipped (same dtypes/devices as input)
     norms: Tensor  # fp32 [H] per-layer L2 norms before clipping (order = dict order)
-    factors: Tensor  # fp32 [H] multiplicative clip factor applied per layer (<= 1)
+    factors: Tensor  # fp32 [H] factor applied per layer (> 1 only for scaled-up "normalize")
     total_norm: float  # global L2 norm before clipping
+
+    @property
+    def changed(self) -> bool:
+        """Whether clipping changed the update (any layer's factor is not exactly 1)."""
+        return bool((self.factors != 1).any())
 
 
 def layer_bounds(sizes: Sequence[int], bound: float, mode: Literal["uniform", "dim"]) -> Tensor:
@@ -61,26 +69,44 @@ def rounding_margin(dtype: torch.dtype) -> float:
     return torch.finfo(dtype).eps + NORM_ROUNDING
 
 
+def _clip_factors(norms: Tensor, bounds: Tensor, margins: Tensor) -> Tensor:
+    """Definition 3: shrink each layer over its bound to (1 - margin) * C_h, leave the rest."""
+    return torch.where(norms > bounds, (1 - margins) * bounds / norms.clamp_min(1e-30), 1.0)
+
+
+def _scale(tensors: list[Tensor], factors: Tensor) -> None:
+    """Multiply each tensor by its factor where that is not 1. The factors enter as fp32 tensors,
+    so half-precision tensors are scaled in fp32 arithmetic: a Python scalar would first be
+    rounded to the tensor's dtype (and overflow fp16 when a small layer is scaled up)."""
+    index = [i for i, f in enumerate(factors.tolist()) if f != 1.0]
+    if index:
+        torch._foreach_mul_([tensors[i] for i in index], [factors[i] for i in index])
+
+
 def clip_update(
     update: dict[str, Tensor],
     clipping: Literal["none", "global", "perlayer"],
     bound: float,
     perlayer_mode: Literal["uniform", "dim"] = "dim",
     in_place: bool = False,
+    perlayer_rule: Literal["clip", "normalize"] = "clip",
 ) -> ClipResult:
-    """Clip `update` to L2 norm `bound` (global) or each layer to C_h (per layer).
+    """Clip `update` to L2 norm `bound` (global) or per layer to C_h by `perlayer_rule`.
 
-    Layers already inside their bound are returned unchanged (factor exactly 1). Call
-    `zero_if_nonfinite` first: a NaN/Inf update has no meaningful norm.
+    Layers left alone are returned unchanged (factor exactly 1). Call `zero_if_nonfinite`
+    first: a NaN/Inf update has no meaningful norm.
     """
     if not update:
         raise ValueError("clip_update needs a non-empty update")
     if not bound > 0:
         raise ValueError(f"clip bound must be > 0, got {bound}")
+    if perlayer_rule not in ("clip", "normalize"):
+        raise ValueError(f"unknown per-layer rule {perlayer_rule!r}; expected clip or normalize")
     tensors = list(update.values())
     norms = layer_norms(tensors)
     total_norm = float(torch.linalg.vector_norm(norms.double()))
     margins = torch.tensor([rounding_margin(t.dtype) for t in tensors], device=norms.device)
+    bounds = None
     if clipping == "none":
         factors = torch.ones_like(norms)
     elif clipping == "global":
@@ -88,15 +114,24 @@ def clip_update(
         factors = torch.full_like(norms, float(scale) if total_norm > bound else 1.0)
     elif clipping == "perlayer":
         bounds = layer_bounds([t.numel() for t in tensors], bound, perlayer_mode).to(norms.device)
-        over = norms > bounds
-        factors = torch.where(over, (1 - margins) * bounds / norms.clamp_min(1e-30), 1.0)
+        if perlayer_rule == "clip":
+            factors = _clip_factors(norms, bounds, margins)
+        elif total_norm > bound:  # normalize: every non-zero layer to (1 - margin) * C_h
+            factors = torch.where(norms > 0, (1 - margins) * bounds / norms.clamp_min(1e-30), 1.0)
+        else:
+            factors = torch.ones_like(norms)
     else:
         raise ValueError(f"unknown clipping {clipping!r}; expected none, global or perlayer")
 
     out = tensors if in_place else [t.clone() for t in tensors]
-    scaled = [(t, f) for t, f in zip(out, factors.tolist(), strict=True) if f != 1.0]
-    if scaled:
-        torch._foreach_mul_([t for t, _ in scaled], [f for _, f in scaled])
+    _scale(out, factors)
+    if perlayer_rule == "normalize" and bounds is not None and bool((factors > 1).any()):
+        # A layer scaled up was measured on tiny values whose squares can lose precision
+        # (subnormals) and so be under-measured: measure the result and clip (Definition 3)
+        # any layer that the rescaling pushed past its bound.
+        again = _clip_factors(layer_norms(out), bounds, margins)
+        _scale(out, again)
+        factors = factors * again
     return ClipResult(
         update=dict(zip(update.keys(), out, strict=True)),
         norms=norms,

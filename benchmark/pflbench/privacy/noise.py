@@ -4,8 +4,16 @@ Keying the stream (instead of drawing from one global generator) makes the noise
 the number of processes and of the order in which users are processed.
 
 Placement: "server" adds N(0, (C*sigma_dp)^2) once to the averaged update; "client" adds
-N(0, C^2 sigma_dp^2 qK) to each user's update before averaging by the expected cohort qK. The
-average then has the same noise distribution: qK * C^2 sigma_dp^2 qK / (qK)^2 = (C*sigma_dp)^2.
+N(0, C^2 sigma_dp^2 S) to each user's update before the sum is divided by S. With exactly S users
+(fixed-size cohorts) the average has the same noise: S * C^2 sigma_dp^2 S / S^2 = (C*sigma_dp)^2.
+With Poisson sampling it would not: |K_t| users and the divisor qK give C^2 sigma_dp^2 |K_t| / qK,
+too little noise whenever fewer than qK users are sampled (none for an empty cohort), so client
+placement is refused unless sampling is fixed (spec.models.Recipe, fl.aggregate.StepAggregator).
+
+The streams are seeded from the run seed for reproducibility (a run and its resume draw the same
+noise). That makes the noise predictable to anyone who knows the seed: a deployment must draw it
+from a secret seed (or a cryptographically secure generator) and sample cohorts with a secure
+sampler; pflbench simulates, it does not deploy.
 """
 
 from __future__ import annotations
@@ -50,6 +58,7 @@ def server_noise_std(clip_bound: float, sigma_dp: float) -> float:
     return clip_bound * sigma_dp
 
 
-def client_noise_std(clip_bound: float, sigma_dp: float, expected_cohort: float) -> float:
-    """Std of the noise each user adds before the sum is divided by the expected cohort qK."""
-    return clip_bound * sigma_dp * math.sqrt(expected_cohort)
+def client_noise_std(clip_bound: float, sigma_dp: float, cohort: float) -> float:
+    """Std of the noise each user adds before the sum is divided by the cohort size S; right
+    only when exactly S users take part (fixed-size cohorts)."""
+    return clip_bound * sigma_dp * math.sqrt(cohort)

@@ -1,9 +1,12 @@
 """Budgets and privacy statements: what goes into result records about (epsilon, delta).
 
-A budget names a target (eps, delta) at an extrapolated scale (K_ext, S_ext, T_ext). Its noise is
-sigma_dp = z / S_ext with z calibrated by the accountant. A run trains at its own (K, S, T) with
-that sigma_dp; its statement gives epsilon at the simulated scale (z = sigma_dp * S, honest and
+A budget names a target (eps, delta) at an extrapolated scale (K_ext, S_ext, T_ext) and the
+accountant that is its one source of truth: it calibrates z, and its epsilon is the record's
+claim against the target (`claimed_by`); the other accountants are reported as cross-checks. The
+budget's noise is sigma_dp = z / S_ext. A run trains at its own (K, S, T <= T_ext) with that
+sigma_dp; its statement gives epsilon at the simulated scale (z = sigma_dp * S, honest and
 usually huge) and at the budget's extrapolated scale (z = sigma_dp * S_ext, McMahan et al. 2018).
+A run with more central steps than T_ext is refused: the budget's epsilon would not hold for it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from pflbench.privacy.accountants import (
 from pflbench.spec.models import Budget
 
 MECHANISM = (
-    "user-level DP: each sampled user's update clipped to L2 norm C, Gaussian noise of std"
+    "{unit}-level DP: each sampled {unit}'s update clipped to L2 norm C, Gaussian noise of std"
     " C*sigma_dp on the average (sum divided by the expected cohort qK); Poisson-subsampled"
     " Gaussian mechanism with noise multiplier z = sigma_dp*qK, composed over T central steps"
 )
@@ -47,6 +50,23 @@ def budget_noise(budget: Budget) -> dict:
         "noise_multiplier": z,
         "sigma_dp": z / budget.cohort,
     }
+
+
+def check_steps_within_budget(steps: int, budget: Budget, where: str) -> None:
+    """UserError when a run's central steps exceed the T its budget is calibrated for: the
+    budget's epsilon holds for at most T_ext steps. Names both step counts and the epsilon the
+    run would have at the extrapolated scale with its own T."""
+    if not budget.dp or steps <= budget.steps:
+        return
+    noise = budget_noise(budget)
+    real = compute_epsilon(
+        noise["noise_multiplier"], noise["sampling_rate"], steps, budget.delta, budget.accountant
+    ).epsilon
+    raise UserError(
+        f"{where}: {steps} central steps but budget {budget.name!r} is calibrated for T ="
+        f" {budget.steps}; at T = {steps} its epsilon would be {real:.2f} > {budget.epsilon:g}"
+        f" ({budget.accountant}). Run at most {budget.steps} central steps under this budget."
+    )
 
 
 def check_scale(cohort: int, population: int, steps: int) -> None:
@@ -101,8 +121,13 @@ def privacy_statement(
     sampling: Literal["poisson", "fixed"],
     budget: Budget | None,
     accountants: Sequence[str] = ("rdp", "pld"),
+    pseudo_users: bool = False,
 ) -> dict:
-    """JSON-ready record of how private a run is, at its simulated and extrapolated scale."""
+    """JSON-ready record of how private a run is, at its simulated and extrapolated scale.
+
+    `claimed_by` names the accountant whose epsilon is the claim against the budget (the
+    budget's own); `unit` is "pseudo-user" when users are random groups of utterances (-iid
+    tasks), so the guarantee is per pseudo-user, not per speaker."""
     if not (sigma_dp >= 0 and math.isfinite(sigma_dp)):
         raise UserError(f"sigma_dp must be finite and >= 0, got {sigma_dp}")
     if not clip_bound > 0:
@@ -113,26 +138,40 @@ def privacy_statement(
         check_accountant(name)
     dp = sigma_dp > 0
     extrapolated = None
+    claimed_by = None
     if budget is not None and budget.dp:
+        check_steps_within_budget(steps, budget, "privacy statement")
+        claimed_by = budget.accountant
+        if claimed_by not in accountants:
+            accountants = (claimed_by, *accountants)
         extrapolated = epsilons_at_scale(
             sigma_dp, budget.cohort, budget.population, budget.steps, budget.delta, accountants
         )
         extrapolated.update(budget=budget.name, target_epsilon=budget.epsilon)
     simulated = epsilons_at_scale(sigma_dp, cohort, population, steps, delta, accountants)
+    unit = "pseudo-user" if pseudo_users else "user"
     return {
         "dp": dp,
-        "mechanism": MECHANISM,
+        "mechanism": MECHANISM.format(unit=unit),
+        "unit": unit,
         "sigma_dp": sigma_dp,
         "clip_bound": clip_bound,
         "sampling": sampling,
+        "claimed_by": claimed_by,
         "simulated": simulated,
         "extrapolated": extrapolated,
-        "how": how_sentence(dp, sampling, simulated, extrapolated, accountants),
+        "how": how_sentence(dp, sampling, simulated, extrapolated, accountants, claimed_by, unit),
     }
 
 
 def how_sentence(
-    dp: bool, sampling: str, simulated: dict, extrapolated: dict | None, accountants: Sequence[str]
+    dp: bool,
+    sampling: str,
+    simulated: dict,
+    extrapolated: dict | None,
+    accountants: Sequence[str],
+    claimed_by: str | None = None,
+    unit: str = "user",
 ) -> str:
     if not dp:
         return "No DP noise (sigma_dp = 0): epsilon is infinite; updates may still be clipped."
@@ -150,7 +189,20 @@ def how_sentence(
             f"{extrapolated['population']}, S = {extrapolated['cohort']}, T ="
             f" {extrapolated['steps']}, delta = {extrapolated['delta']:g} (budget"
             f" {extrapolated['budget']}), i.e. z = {extrapolated['noise_multiplier']:.6g},"
-            " assuming training quality is unchanged at that scale."
+            " assuming training quality is unchanged at that scale; the run's own T ="
+            f" {simulated['steps']} is <= that T, so the extrapolated epsilon bounds it."
+        )
+    if claimed_by is not None:
+        others = ", ".join(a for a in accountants if a != claimed_by)
+        cross_check = f"; {others} is reported as a cross-check" if others else ""
+        text += (
+            f" The claim against the budget is the {claimed_by} epsilon (the budget's"
+            f" accountant){cross_check}."
+        )
+    if unit == "pseudo-user":
+        text += (
+            " Users are pseudo-users (utterances assigned to users at random, an -iid task): the"
+            " guarantee protects one pseudo-user's utterances, not everything one speaker said."
         )
     if sampling == "fixed":
         text += (

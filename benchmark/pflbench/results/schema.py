@@ -102,9 +102,19 @@ class PrivacyClaim(Open):
 
     dp: bool
     mechanism: str | None = None
+    unit: Literal["user", "pseudo-user"] | None = Field(
+        None,
+        description="What one DP neighbour adds or removes: a user (speaker) or, on -iid tasks, a"
+        " pseudo-user (a random group of utterances). Absent in older records: user.",
+    )
     sigma_dp: float | None = Field(None, ge=0)
     clip_bound: float | None = Field(None, gt=0)
     sampling: Literal["poisson", "fixed"] | None = None
+    claimed_by: Literal["rdp", "pld"] | None = Field(
+        None,
+        description="The accountant whose ε is claimed against the budget (the budget's"
+        " accountant); the other accountants' ε are cross-checks. Absent in older records: rdp.",
+    )
     simulated: ScaleClaim | None = None
     extrapolated: ScaleClaim | None = None
     how: str | None = None
@@ -149,6 +159,9 @@ class DataInfo(Strict):
 
 
 class Diagnostics(Strict):
+    """Computed from the raw client updates: not differentially private (as in metrics.jsonl)."""
+
+    private: Literal[False] = False
     nonfinite_updates: int = Field(0, ge=0)
     clipped_fraction_mean: float | None = None
 

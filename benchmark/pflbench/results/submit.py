@@ -1,11 +1,13 @@
 """`pflbench submit RUN_DIR`: check a finished run's record and file it under results/.
 
 Every check recomputes what can be recomputed (record id, config hash, ε by the pinned
-accountants) and refuses with a UserError that names the file and the reason.
+accountants) and refuses with a UserError that names the file and the reason. The ε held against
+the budget is the budget's accountant's; every other accountant's claim is verified too.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass
@@ -54,10 +56,30 @@ def _close(a: float, b: float, rtol: float) -> bool:
 # Checks
 
 
+# Recipe keys that configs once carried and that no longer exist (nothing ever read either):
+# privacy.accountant (the accountant is the budget's alone) and federated.layer_freeze.warm_batches
+# (layer freezing scores over the whole seed training).
+RETIRED_RECIPE_KEYS = (("privacy", "accountant"), ("federated", "layer_freeze", "warm_batches"))
+
+
+def current_config(stored: dict) -> dict:
+    """A stored config in today's RunConfig shape: retired recipe keys are dropped from the run's
+    recipe and the task's (the hash is checked on the config as stored)."""
+    config = copy.deepcopy(stored)
+    for recipe in (config.get("recipe"), (config.get("task") or {}).get("recipe")):
+        for *parents, key in RETIRED_RECIPE_KEYS:
+            node = recipe
+            for parent in parents:
+                node = node.get(parent) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                node.pop(key, None)
+    return config
+
+
 def check_config(record: ResultRecord, raw: dict, where: str) -> RunConfig:
     """The stored config parses, its hash is the claimed one, and it names what the record says."""
     try:
-        config = RunConfig.model_validate(raw["config"])
+        config = RunConfig.model_validate(current_config(raw["config"]))
     except ValidationError as exc:
         raise UserError(format_validation_error(f"{where}: config", exc)) from None
     actual = config_json_hash(raw["config"])
@@ -118,7 +140,10 @@ def check_budget(config: RunConfig, registry: Registry, where: str) -> Budget:
 
 
 def check_privacy(privacy: dict | None, config: RunConfig, budget: Budget, where: str) -> None:
-    """Recompute every ε claim with the pinned accountants and hold it against the budget."""
+    """Recompute every ε claim with the pinned accountants and hold the budget's accountant's
+    against the budget."""
+    from pflbench.privacy.statement import check_steps_within_budget
+
     if not budget.dp:
         if privacy is not None and privacy.get("dp"):
             raise UserError(
@@ -127,6 +152,7 @@ def check_privacy(privacy: dict | None, config: RunConfig, budget: Budget, where
         return
     if privacy is None or not privacy.get("dp"):
         raise UserError(f"{where}: budget {budget.name!r} needs a DP privacy claim; none found")
+    check_steps_within_budget(config.recipe.federated.central_steps, budget, where)
     sigma_dp = privacy.get("sigma_dp")
     if not isinstance(sigma_dp, int | float) or not sigma_dp > 0:
         raise UserError(f"{where}: privacy.sigma_dp must be a number > 0, got {sigma_dp!r}")
@@ -134,12 +160,16 @@ def check_privacy(privacy: dict | None, config: RunConfig, budget: Budget, where
     expected = {
         "clip_bound": recipe.privacy.clip_bound,
         "sampling": recipe.federated.sampling,
+        # Older records name no accountant or unit: theirs were rdp (the only budget accountant
+        # then) and user (no -iid run was ever filed).
+        "claimed_by": budget.accountant,
+        "unit": "pseudo-user" if config.task.federated_data.iid else "user",
     }
+    defaults = {"claimed_by": "rdp", "unit": "user"}
     for key, value in expected.items():
-        if privacy.get(key) != value:
-            raise UserError(
-                f"{where}: privacy.{key} is {privacy.get(key)!r} but the config says {value!r}"
-            )
+        claimed = privacy.get(key, defaults.get(key))
+        if claimed != value:
+            raise UserError(f"{where}: privacy.{key} is {claimed!r} but the config says {value!r}")
     population = (privacy.get("simulated") or {}).get("population")
     # The runner caps the cohort at the population of the (small) simulated corpus.
     cohort = min(recipe.federated.cohort_size, population or recipe.federated.cohort_size)
@@ -147,7 +177,8 @@ def check_privacy(privacy: dict | None, config: RunConfig, budget: Budget, where
         "simulated": (None, cohort, recipe.federated.central_steps),
         "extrapolated": (budget.population, budget.cohort, budget.steps),
     }
-    fresh_rdp_ext = None
+    claimed = budget.accountant
+    fresh_ext = None
     for scale, (population, cohort, steps) in scales.items():
         claim = privacy.get(scale)
         if not isinstance(claim, dict):
@@ -158,33 +189,35 @@ def check_privacy(privacy: dict | None, config: RunConfig, budget: Budget, where
                 raise UserError(
                     f"{where}: privacy.{scale}.{key} is {claim.get(key)!r}, expected {value!r}"
                 )
-        fresh = check_scale(claim, sigma_dp, budget.delta, f"{where}: privacy.{scale}")
+        fresh = check_scale(claim, sigma_dp, budget.delta, f"{where}: privacy.{scale}", claimed)
         if scale == "extrapolated":
-            fresh_rdp_ext = fresh
-    if fresh_rdp_ext > budget.epsilon * (1 + EXACT_RTOL):
+            fresh_ext = fresh[claimed]
+    if fresh_ext is None:
+        raise UserError(f"{where}: privacy.extrapolated.epsilon.{claimed}: no ε claimed")
+    if fresh_ext > budget.epsilon * (1 + EXACT_RTOL):
         raise UserError(
-            f"{where}: ε = {fresh_rdp_ext:.4g} (rdp, extrapolated scale) is above the budget "
+            f"{where}: ε = {fresh_ext:.4g} ({claimed}, extrapolated scale) is above the budget "
             f"{budget.name!r} (ε = {budget.epsilon})"
         )
 
 
-def check_scale(claim: dict, sigma_dp: float, delta: float, where: str) -> float:
-    """Check one scale's claims against a fresh computation; returns the fresh RDP ε."""
+def check_scale(
+    claim: dict, sigma_dp: float, delta: float, where: str, claimed: str
+) -> dict[str, float | None]:
+    """Check one scale's claims (every accountant's, the `claimed` one required) against a fresh
+    computation; returns the fresh ε by accountant (None where it cannot be computed)."""
     cohort, population, steps = claim["cohort"], claim["population"], claim["steps"]
     z, q = sigma_dp * cohort, cohort / population
     for key, value in (("noise_multiplier", z), ("sampling_rate", q)):
         if not _close(float(claim[key]), value, EXACT_RTOL):
             raise UserError(f"{where}.{key} is {claim[key]!r} but σ_DP, S, K give {value!r}")
     epsilons = claim.get("epsilon") or {}
-    if not isinstance(epsilons.get("rdp"), dict):
-        raise UserError(f"{where}.epsilon has no 'rdp' claim")
-    fresh = {
+    if not isinstance(epsilons.get(claimed), dict):
+        raise UserError(f"{where}.epsilon has no {claimed!r} claim (the budget's accountant)")
+    return {
         name: check_epsilon_claim(name, item, z, q, steps, delta, f"{where}.epsilon.{name}")
         for name, item in sorted(epsilons.items())
     }
-    if fresh["rdp"] is None:
-        raise UserError(f"{where}.epsilon.rdp: no ε claimed")
-    return fresh["rdp"]
 
 
 def check_epsilon_claim(

@@ -112,12 +112,12 @@ class FederatedVariationalNoise(Strict):
 
 
 class LayerFreeze(Strict):
-    """Paper 003: rank layers by accumulated squared gradient per dimension on public data and
-    train only the top `train_percent`% of parameters (or the rest, with `train: bottom`)."""
+    """Paper 003: rank layers by their squared gradients per dimension, accumulated over the whole
+    seed (public) training, and train only the top-scoring tensors holding at most
+    `train_percent`% of the parameters (or the rest, with `train: bottom`)."""
 
     train_percent: float = Field(gt=0, le=100)
     train: Literal["top", "bottom"] = "top"
-    warm_batches: int = Field(20, ge=1)
 
 
 class ClientRecipe(Strict):
@@ -146,6 +146,11 @@ class ServerRecipe(Strict):
     eps: float = Field(1e-6, gt=0, description="ξ of LAMB/Adam (paper App. H.3: 1e-6).")
     weight_decay: float = Field(0.0, ge=0)
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD/LARS momentum.")
+    adagrad_rule: Literal["reference", "optax"] = Field(
+        "reference",
+        description="AdaGrad: 'reference' (the paper authors' code: accumulator from 0, update"
+        " g·(1/√acc + eps)) or 'optax' (optax.adagrad: accumulator from 0.1, g/√(acc + eps)).",
+    )
     decay: LrDecay = LrDecay()
 
 
@@ -160,11 +165,22 @@ class FederatedRecipe(Strict):
 
 
 class PrivacyRecipe(Strict):
+    """How client updates are clipped and where the noise is added. The accountant is the
+    budget's (Budget.accountant): one choice for calibration, the record's claim and submit."""
+
     clipping: Literal["none", "global", "perlayer"] = "perlayer"
     perlayer_mode: Literal["uniform", "dim"] = "dim"
+    perlayer_rule: Literal["clip", "normalize"] = Field(
+        "clip",
+        description="Per-layer rule: 'clip' each layer to min(‖Δ_h‖, C_h) (paper 002, Definition"
+        " 3), or 'normalize' (the authors' code): when ‖Δ‖ > C rescale every non-zero layer to"
+        " exactly C_h (small layers are scaled up). Both keep ‖Δ‖ ≤ C.",
+    )
     clip_bound: float = Field(0.01, gt=0)
-    noise_placement: Literal["server", "client"] = "server"
-    accountant: Literal["rdp", "pld"] = "rdp"
+    noise_placement: Literal["server", "client"] = Field(
+        "server",
+        description="'client' (each user adds N(0, C²σ²qK)) needs federated.sampling: fixed.",
+    )
 
 
 class Recipe(Strict):
@@ -184,6 +200,17 @@ class Recipe(Strict):
     )
     federated: FederatedRecipe = FederatedRecipe()
     privacy: PrivacyRecipe = PrivacyRecipe()
+
+    @model_validator(mode="after")
+    def _client_noise_needs_fixed_cohorts(self) -> Recipe:
+        if self.privacy.noise_placement == "client" and self.federated.sampling != "fixed":
+            raise ValueError(
+                "privacy.noise_placement: client needs federated.sampling: fixed. Each user adds"
+                " noise of std C·σ_DP·√(qK); with Poisson sampling the average of |K_t| users has"
+                " std C·σ_DP·√(|K_t|/qK), not the C·σ_DP the accountant assumes (an empty cohort"
+                " adds no noise at all). Use noise_placement: server with Poisson sampling."
+            )
+        return self
 
 
 # ----------------------------------------------------------------------------------------------
