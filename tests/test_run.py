@@ -95,10 +95,14 @@ def test_reference_rows_run_without_fl_and_refuse_dp_budgets(env, tmp_path, base
     assert set(final) == {"cv-dev", "cv-test", "ls-dev-clean"}
     assert record.privacy.dp is False and record.compute.central_steps == 0
     model = load_file(run_dir / "checkpoints" / "final.safetensors")
-    if baseline == "seed-only":  # the seed model itself, evaluated once
+    # The seed model's evaluation is cached next to it and shared by every run of the task.
+    meta = json.loads((run_dir / "checkpoints" / "final.json").read_text())
+    cached = list(Path(meta["seed_checkpoint"]).parent.glob("eval-*.json"))
+    assert len(cached) == 1
+    assert json.loads(cached[0].read_text())["cv-dev"]["wer"] == seed["cv-dev"].wer
+    if baseline == "seed-only":  # the seed model itself
         assert all(final[n].wer == seed[n].wer for n in final)
     else:  # three Adam steps on the federated data move the model and its errors
-        meta = json.loads((run_dir / "checkpoints" / "final.json").read_text())
         seed_model = load_file(meta["seed_checkpoint"])
         assert any(not torch.equal(model[k], seed_model[k]) for k in model)
 

@@ -16,6 +16,7 @@ Only rank 0 writes; every rank runs the same server step.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
@@ -200,6 +201,24 @@ def evaluate(model: torch.nn.Module, data, config: RunConfig, roles: set[str], d
     )
     roles_by_name = {e.name: e.role for e in config.task.eval_sets}
     return {name: {"role": roles_by_name[name], **results[name]} for name in names}
+
+
+def seed_model_results(model, data, config: RunConfig, device: str, seed_path) -> dict:
+    """The starting model's dev/test summary. Every run of a task starts from the same seed
+    model, so its evaluation is cached next to the checkpoint, keyed by the eval sets' data."""
+    eval_sets = {e.name: [e.role, data.eval_sets[e.name].digest] for e in config.task.eval_sets}
+    key = canonical_json({"pflbench": __version__, "eval_sets": eval_sets})
+    cache = None
+    if seed_path is not None:
+        cache = Path(seed_path).with_name(
+            f"eval-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+        )
+        if cache.is_file():
+            return json.loads(cache.read_text())
+    results = eval_summary(evaluate(model, data, config, {"dev", "test"}, device))
+    if cache is not None:
+        write_atomic(cache, json.dumps(results, indent=2, sort_keys=True) + "\n")
+    return results
 
 
 def eval_summary(results: dict) -> dict:
@@ -400,7 +419,7 @@ def _run(config, run_dir, ctx, device, options: RunOptions, started: float):
     lines: list[dict] = meta.get("metrics", [])
     seed_results = meta.get("seed_results")
     if ctx.is_main and seed_results is None:
-        seed_results = eval_summary(evaluate(sim.model, data, config, {"dev", "test"}, device))
+        seed_results = seed_model_results(sim.model, data, config, device, seed_path)
 
     def save(step_lines: list[dict]) -> None:
         if not ctx.is_main:
@@ -482,8 +501,7 @@ def _run_without_fl(config, run_dir, ctx, device, data, model, seed_path, option
 
     if ctx.world_size > 1:
         raise UserError(f"training: {config.recipe.training} runs in one process (no torchrun)")
-    seed_results = evaluate(model, data, config, {"dev", "test"}, device)
-    final = seed_results
+    seed_results = seed_model_results(model, data, config, device, seed_path)
     if config.recipe.training == "central":
         train_central(
             model,
@@ -495,7 +513,7 @@ def _run_without_fl(config, run_dir, ctx, device, data, model, seed_path, option
             progress=options.progress,
             resume_dir=run_dir / "checkpoints",
         )
-        final = evaluate(model.eval(), data, config, {"dev", "test"}, device)
+    final = evaluate(model.eval(), data, config, {"dev", "test"}, device)
     lines = [{"step": 0, "eval": _wer_cer(final)}]
     meta = {
         "kind": config.recipe.training,
@@ -505,7 +523,7 @@ def _run_without_fl(config, run_dir, ctx, device, data, model, seed_path, option
     save_model(run_dir / "checkpoints" / "final.safetensors", model, meta)
     wall = time.perf_counter() - started
     record = build_record(
-        config, data, lines, final, eval_summary(seed_results), 0.0, 0, ctx, device, model, 1, wall
+        config, data, lines, final, seed_results, 0.0, 0, ctx, device, model, 1, wall
     )
     write_atomic(run_dir / "record.json", json.dumps(record, indent=2, sort_keys=True) + "\n")
     write_atomic(run_dir / "DONE", datetime.now(UTC).isoformat() + "\n")
