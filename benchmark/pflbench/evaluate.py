@@ -3,7 +3,11 @@
 Reported per eval set:
 - pooled WER/CER: total errors / total reference words (chars) over the set, the standard way;
 - speaker-averaged WER: each speaker's own pooled WER, averaged with equal weight per speaker (the
-  paper weights speakers equally), with its std, median and 90th percentile.
+  paper weights speakers equally), with its std, median and 90th percentile;
+- per speaker: (word errors, reference words), the counts a speaker-level bootstrap resamples
+  (pflbench.results.stats);
+- per utterance: id, speaker, word errors / reference words, char errors / chars (the runner writes
+  them to the run directory, errors/<eval set>.jsonl).
 
 Empty texts are handled: an empty hypothesis counts every reference word as a deletion; an empty
 reference counts every hypothesis word as an insertion. A speaker whose references are all empty
@@ -75,7 +79,8 @@ def score(transcripts: Sequence[Transcript]) -> dict:
     for t, (err, n) in zip(transcripts, words, strict=True):
         by_speaker[t.speaker][0] += err
         by_speaker[t.speaker][1] += n
-    per_speaker = {s: rate(e, n) for s, (e, n) in sorted(by_speaker.items())}
+    speaker_counts = {s: (e, n) for s, (e, n) in sorted(by_speaker.items())}
+    per_speaker = {s: rate(e, n) for s, (e, n) in speaker_counts.items()}
     speaker_wers = [w for w in per_speaker.values() if w is not None]
     return {
         "wer": rate(sum(e for e, _ in words), sum(n for _, n in words)),
@@ -89,6 +94,18 @@ def score(transcripts: Sequence[Transcript]) -> dict:
         "num_utterances": len(transcripts),
         "num_words": sum(n for _, n in words),
         "per_speaker": per_speaker,
+        "speaker_counts": speaker_counts,
+        "utterances": [
+            {
+                "utt_id": t.utt_id,
+                "speaker": t.speaker,
+                "word_errors": we,
+                "words": wn,
+                "char_errors": ce,
+                "chars": cn,
+            }
+            for t, (we, wn), (ce, cn) in zip(transcripts, words, chars, strict=True)
+        ],
     }
 
 

@@ -104,6 +104,57 @@ def register(app: typer.Typer) -> None:
         output.write_text(text, encoding="utf-8")
         console.print(f"wrote {output}", highlight=False)
 
+    @app.command("compare")
+    def compare(
+        side_a: str = typer.Argument(..., help="Run dirs or record ids of row A, comma-separated."),
+        side_b: str = typer.Argument(..., help="Run dirs or record ids of row B, comma-separated."),
+        results: Path = ResultsOption,
+        eval_set: list[str] = typer.Option(
+            None, "--eval-set", help="Compare on this eval set (repeatable); default: all shared."
+        ),
+        replicates: int = typer.Option(2000, "--replicates", min=100, help="Bootstrap draws."),
+        seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap."),
+        as_json: bool = JsonOption,
+    ) -> None:
+        """Paired comparison of two rows (one or more seeds each): WER(A) - WER(B) per eval set
+        with a 95% bootstrap CI that resamples speakers (paired) and seeds."""
+        from pflbench.results.stats import compare_records, load_side
+
+        a = load_side(_split(side_a, "side A"), results)
+        b = load_side(_split(side_b, "side B"), results)
+        found = compare_records(a, b, eval_set or None, replicates=replicates, seed=seed)
+        if as_json:
+            print_json(
+                [
+                    {
+                        "eval_set": c.eval_set,
+                        "wer_a": c.wer_a,
+                        "wer_b": c.wer_b,
+                        "difference": c.difference.estimate,
+                        "ci95": [c.difference.low, c.difference.high],
+                        "speakers": c.difference.num_speakers,
+                        "seeds": [len(a), len(b)],
+                        "beyond_noise": c.beyond_noise,
+                    }
+                    for c in found
+                ]
+            )
+            return
+        console.print(
+            f"A = {a[0].baseline} / {a[0].budget} ({len(a)} seeds), "
+            f"B = {b[0].baseline} / {b[0].budget} ({len(b)} seeds)",
+            highlight=False,
+        )
+        for c in found:
+            d = c.difference
+            verdict = "beyond seed and sampling noise" if c.beyond_noise else "within noise"
+            console.print(
+                f"{c.eval_set}: WER A {100 * c.wer_a:.2f}%  B {100 * c.wer_b:.2f}%  "
+                f"A-B {100 * d.estimate:+.2f} [95% CI {100 * d.low:+.2f}, {100 * d.high:+.2f}] "
+                f"over {d.num_speakers} speakers: {verdict}",
+                highlight=False,
+            )
+
     group = typer.Typer(help="Work with the records in results/.", no_args_is_help=True)
     app.add_typer(group, name="results")
 
