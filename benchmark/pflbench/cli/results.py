@@ -40,6 +40,32 @@ def _print_plots(report) -> None:
         console.print(f"[yellow]skipped[/] {why}", highlight=False)
 
 
+def _validity_report(records, registry, task: str, against: str):
+    from pflbench.results.validity import validity_report
+
+    spec = registry.tasks[task].spec if task in registry.tasks else None
+    return validity_report(
+        records,
+        task,
+        against,
+        {name: loaded.spec for name, loaded in registry.budgets.items()},
+        task_budgets=spec.budgets if spec is not None else None,
+        task_version=spec.version if spec is not None else None,
+    )
+
+
+def _validity_sections(records, registry) -> dict[str, str]:
+    """The validity report of each embedded task with records, for its leaderboard section."""
+    from pflbench.results.validity import VALIDITY_PAIRS, render_validity
+
+    tasks = {r.task.name for r in records}
+    return {
+        task: render_validity(_validity_report(records, registry, task, against))
+        for task, against in VALIDITY_PAIRS.items()
+        if task in tasks
+    }
+
+
 def register(app: typer.Typer) -> None:
     @app.command("submit")
     def submit(
@@ -87,10 +113,12 @@ def register(app: typer.Typer) -> None:
         )
 
         registry = _registry(specs)
+        records = load_results(results)
         text = render_leaderboard(
-            load_results(results),
+            records,
             {name: loaded.spec.version for name, loaded in registry.tasks.items()},
             {name: loaded.spec for name, loaded in registry.budgets.items()},
+            _validity_sections(records, registry),
         )
         if check:
             if not leaderboard_is_current(output, text):
@@ -154,6 +182,46 @@ def register(app: typer.Typer) -> None:
                 f"over {d.num_speakers} speakers: {verdict}",
                 highlight=False,
             )
+
+    @app.command("validity")
+    def validity(
+        task: str = typer.Option(..., "--task", help="The embedded task."),
+        against: str = typer.Option(..., "--against", help="The paper task it stands for."),
+        results: Path = ResultsOption,
+        specs: list[Path] = SpecsOption,
+        as_json: bool = JsonOption,
+    ) -> None:
+        """Kendall τ between the embedded task's ranking of (baseline, budget) and the paper's
+        Table 1 ranking, with every pair's agreement (also a section of leaderboard.md)."""
+        from pflbench.results.leaderboard import load_results
+        from pflbench.results.validity import render_validity
+
+        report = _validity_report(load_results(results), _registry(specs), task, against)
+        if not as_json:
+            typer.echo(render_validity(report), nl=False)
+            return
+        print_json(
+            {
+                "task": task,
+                "against": against,
+                "kendall_tau_b": report.tau,
+                "configurations": [
+                    {
+                        "baseline": c[0],
+                        "budget": c[1],
+                        "embedded_budget": report.embedded_budget[c],
+                        "paper_wer": report.paper_wer[c],
+                        "embedded_wer": report.embedded_wer[c],
+                        "seeds": report.seeds[c],
+                    }
+                    for c in report.common
+                ],
+                "pairs": [
+                    {"a": list(p.first), "b": list(p.second), "agreement": p.agreement}
+                    for p in report.pairs
+                ],
+            }
+        )
 
     group = typer.Typer(help="Work with the records in results/.", no_args_is_help=True)
     app.add_typer(group, name="results")

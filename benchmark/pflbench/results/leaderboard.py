@@ -279,8 +279,10 @@ def render_leaderboard(
     records: list[ResultRecord],
     task_versions: dict[str, int] | None = None,
     budgets: dict[str, Budget] | None = None,
+    sections: dict[str, str] | None = None,
 ) -> str:
-    task_versions, budgets = task_versions or {}, budgets or {}
+    """sections: extra markdown appended to a task's section (the validity report)."""
+    task_versions, budgets, sections = task_versions or {}, budgets or {}, sections or {}
     by_task: dict[str, list[ResultRecord]] = {}
     for record in records:
         by_task.setdefault(record.task.name, []).append(record)
@@ -298,6 +300,8 @@ def render_leaderboard(
         for name in sorted(by_budget, key=lambda n: budget_order(n, budgets.get(n))):
             parts.append(budget_title(name, budgets.get(name)) + "\n")
             parts.append(render_table(group_rows(by_budget[name]), columns, roles, version))
+        if task in sections:
+            parts.append(sections[task])
     return "\n".join(parts)
 
 
