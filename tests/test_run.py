@@ -283,6 +283,10 @@ def test_per_utterance_errors_and_speaker_counts_feed_pflbench_compare(env, tmp_
             counts[1] += u["words"]
             assert 0 <= u["char_errors"] and u["chars"] >= u["words"]
         assert {s: tuple(c) for s, c in by_speaker.items()} == result.speakers
+        speaker_wers = sorted(e / n for e, n in by_speaker.values() if n)
+        assert result.speaker_wer_p10 == speaker_wers[round(0.1 * (len(speaker_wers) - 1))]
+        assert result.speaker_wer_p90 == speaker_wers[round(0.9 * (len(speaker_wers) - 1))]
+        assert result.speaker_wer_p10 <= result.speaker_wer_p50 <= result.speaker_wer_p90
         errors = sum(u["word_errors"] for u in utterances)
         assert errors / sum(u["words"] for u in utterances) == pytest.approx(result.wer)
 

@@ -3,7 +3,8 @@
 Reported per eval set:
 - pooled WER/CER: total errors / total reference words (chars) over the set, the standard way;
 - speaker-averaged WER: each speaker's own pooled WER, averaged with equal weight per speaker (the
-  paper weights speakers equally), with its std, median and 90th percentile;
+  paper weights speakers equally), with its std, median and 10th/90th percentiles (nearest rank):
+  how unevenly the errors fall on speakers;
 - per speaker: (word errors, reference words), the counts a speaker-level bootstrap resamples
   (pflbench.results.stats);
 - per utterance: id, speaker, word errors / reference words, char errors / chars (the runner writes
@@ -87,6 +88,7 @@ def score(transcripts: Sequence[Transcript]) -> dict:
         "cer": rate(sum(e for e, _ in chars), sum(n for _, n in chars)),
         "speaker_wer_mean": statistics.fmean(speaker_wers) if speaker_wers else None,
         "speaker_wer_std": statistics.pstdev(speaker_wers) if speaker_wers else None,
+        "speaker_wer_p10": _quantile(speaker_wers, 0.1),
         "speaker_wer_median": statistics.median(speaker_wers) if speaker_wers else None,
         "speaker_wer_p90": _quantile(speaker_wers, 0.9),
         "num_speakers": len(per_speaker),

@@ -215,6 +215,9 @@ def eval_summary(results: dict) -> dict:
             "wer": r["wer"],
             "cer": r.get("cer"),
             "speaker_wer_mean": r.get("speaker_wer_mean"),
+            "speaker_wer_p10": r.get("speaker_wer_p10"),
+            "speaker_wer_p50": r.get("speaker_wer_median"),
+            "speaker_wer_p90": r.get("speaker_wer_p90"),
             "num_utterances": r.get("num_utterances"),
             "speakers": r.get("speaker_counts"),
         }

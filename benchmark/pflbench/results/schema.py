@@ -56,6 +56,9 @@ class EvalResult(Strict):
     wer: float = Field(ge=0, description="Word error rate as a fraction (0.2 = 20%).")
     cer: float | None = Field(None, ge=0)
     speaker_wer_mean: float | None = Field(None, ge=0)
+    speaker_wer_p10: float | None = Field(None, ge=0, description="10th percentile speaker WER.")
+    speaker_wer_p50: float | None = Field(None, ge=0, description="Median speaker WER.")
+    speaker_wer_p90: float | None = Field(None, ge=0, description="90th percentile speaker WER.")
     num_utterances: int | None = Field(None, ge=0)
     speakers: dict[str, tuple[Count, Count]] | None = Field(
         None,
