@@ -24,6 +24,20 @@ def test_pooled_and_speaker_averaged_wer_differ_by_weighting():
     assert (result["num_speakers"], result["num_utterances"], result["num_words"]) == (2, 3, 10)
 
 
+def test_speaker_wer_deciles_show_how_unevenly_errors_fall():
+    # ten speakers of ten words with 0..9 errors: speaker WERs 0.0, 0.1, ..., 0.9
+    words = " ".join(f"w{i}" for i in range(10))
+    transcripts = [
+        t(f"s{k}", words, " ".join(f"w{i}" if i >= k else "x" for i in range(10)))
+        for k in range(10)
+    ]
+    result = score(transcripts)
+    assert result["speaker_wer_p10"] == pytest.approx(0.1)
+    assert result["speaker_wer_median"] == pytest.approx(0.45)
+    assert result["speaker_wer_p90"] == pytest.approx(0.8)
+    assert result["speaker_counts"]["s3"] == (3, 10)
+
+
 def test_cer_counts_characters():
     result = score([t("a", "abc", "abd")])
     assert result["cer"] == pytest.approx(1 / 3) and result["wer"] == 1.0

@@ -66,6 +66,30 @@ def test_fmt_wer():
     assert fmt_wer([]) == "–"
 
 
+def test_rows_with_per_speaker_counts_show_a_bootstrap_ci():
+    records = [r for r in load_results(GOLDEN / "results") if r.baseline == "fedavg"]
+    records = [r for r in records if r.task.name == "fx-task"]
+    with_counts = []
+    for record in records:
+        final = {}
+        for name, result in record.metrics.final.items():
+            # 20 speakers of 50 words each, errors summing to the record's own WER
+            errors = round(result.wer * 1000)
+            speakers = {f"s{k}": (errors // 20 + (k < errors % 20), 50) for k in range(20)}
+            final[name] = result.model_copy(update={"speakers": speakers})
+        metrics = record.metrics.model_copy(update={"final": final})
+        with_counts.append(record.model_copy(update={"metrics": metrics}))
+    text = render_golden(with_counts)
+    row = next(line for line in text.splitlines() if line.startswith("| 1 | fedavg"))
+    cells = row.split(" | ")
+    mean, interval = cells[2].split(" (n=3) ")
+    low, high = map(float, interval.strip("[]").split(", "))
+    assert low < float(mean.split(" ± ")[0]) < high
+    plain = render_golden(records)  # records without counts: no CI
+    first = next(line for line in plain.splitlines() if line.startswith("| 1 | fedavg"))
+    assert "[" not in first
+
+
 def copy_golden(tmp_path: Path) -> Path:
     root = tmp_path / "results"
     shutil.copytree(GOLDEN / "results", root)

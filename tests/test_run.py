@@ -278,3 +278,48 @@ def test_rerunning_a_finished_run_reports_it_and_an_unfinished_one_needs_resume(
     prepare_run_dir(config, run_dir, resume=False)  # the same finished run: accepted
     with pytest.raises(UserError, match="differs"):
         prepare_run_dir(other, run_dir, resume=False)
+
+
+def test_per_utterance_errors_and_speaker_counts_feed_pflbench_compare(env, tmp_path):
+    from typer.testing import CliRunner
+
+    from pflbench.cli import app
+
+    seed_only = run(_config(env, "seed-only"), out_dir=tmp_path / "seed-only", progress=False)
+    central = run(_config(env, "central"), out_dir=tmp_path / "central", progress=False)
+    record, _ = load_record(central / "record.json")
+    for name, result in record.metrics.final.items():
+        lines = (central / "errors" / f"{name}.jsonl").read_text().splitlines()
+        utterances = [json.loads(x) for x in lines]
+        assert len(utterances) == result.num_utterances
+        by_speaker: dict[str, list[int]] = {}
+        for u in utterances:
+            counts = by_speaker.setdefault(u["speaker"], [0, 0])
+            counts[0] += u["word_errors"]
+            counts[1] += u["words"]
+            assert 0 <= u["char_errors"] and u["chars"] >= u["words"]
+        assert {s: tuple(c) for s, c in by_speaker.items()} == result.speakers
+        speaker_wers = sorted(e / n for e, n in by_speaker.values() if n)
+        assert result.speaker_wer_p10 == speaker_wers[round(0.1 * (len(speaker_wers) - 1))]
+        assert result.speaker_wer_p90 == speaker_wers[round(0.9 * (len(speaker_wers) - 1))]
+        assert result.speaker_wer_p10 <= result.speaker_wer_p50 <= result.speaker_wer_p90
+        errors = sum(u["word_errors"] for u in utterances)
+        assert errors / sum(u["words"] for u in utterances) == pytest.approx(result.wer)
+
+    def compare(a: Path, b: Path) -> list[dict]:
+        out = CliRunner().invoke(app, ["compare", str(a), str(b), "--replicates", "200", "--json"])
+        assert out.exit_code == 0, out.output
+        return json.loads(out.output)
+
+    seed_record, _ = load_record(seed_only / "record.json")
+    for c in compare(central, seed_only):
+        wer_a, wer_b = (
+            record.metrics.final[c["eval_set"]].wer,
+            seed_record.metrics.final[c["eval_set"]].wer,
+        )
+        assert c["difference"] == pytest.approx(wer_a - wer_b)
+        assert c["ci95"][0] <= c["difference"] <= c["ci95"][1]
+    assert not any(c["beyond_noise"] for c in compare(seed_only, seed_only))
+    refused = CliRunner().invoke(app, ["compare", str(central), str(tmp_path / "nothing")])
+    assert isinstance(refused.exception, UserError)
+    assert "neither a finished run directory" in str(refused.exception)

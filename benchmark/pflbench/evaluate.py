@@ -3,7 +3,12 @@
 Reported per eval set:
 - pooled WER/CER: total errors / total reference words (chars) over the set, the standard way;
 - speaker-averaged WER: each speaker's own pooled WER, averaged with equal weight per speaker (the
-  paper weights speakers equally), with its std, median and 90th percentile.
+  paper weights speakers equally), with its std, median and 10th/90th percentiles (nearest rank):
+  how unevenly the errors fall on speakers;
+- per speaker: (word errors, reference words), the counts a speaker-level bootstrap resamples
+  (pflbench.results.stats);
+- per utterance: id, speaker, word errors / reference words, char errors / chars (the runner writes
+  them to the run directory, errors/<eval set>.jsonl).
 
 Empty texts are handled: an empty hypothesis counts every reference word as a deletion; an empty
 reference counts every hypothesis word as an insertion. A speaker whose references are all empty
@@ -75,13 +80,15 @@ def score(transcripts: Sequence[Transcript]) -> dict:
     for t, (err, n) in zip(transcripts, words, strict=True):
         by_speaker[t.speaker][0] += err
         by_speaker[t.speaker][1] += n
-    per_speaker = {s: rate(e, n) for s, (e, n) in sorted(by_speaker.items())}
+    speaker_counts = {s: (e, n) for s, (e, n) in sorted(by_speaker.items())}
+    per_speaker = {s: rate(e, n) for s, (e, n) in speaker_counts.items()}
     speaker_wers = [w for w in per_speaker.values() if w is not None]
     return {
         "wer": rate(sum(e for e, _ in words), sum(n for _, n in words)),
         "cer": rate(sum(e for e, _ in chars), sum(n for _, n in chars)),
         "speaker_wer_mean": statistics.fmean(speaker_wers) if speaker_wers else None,
         "speaker_wer_std": statistics.pstdev(speaker_wers) if speaker_wers else None,
+        "speaker_wer_p10": _quantile(speaker_wers, 0.1),
         "speaker_wer_median": statistics.median(speaker_wers) if speaker_wers else None,
         "speaker_wer_p90": _quantile(speaker_wers, 0.9),
         "num_speakers": len(per_speaker),
@@ -89,6 +96,18 @@ def score(transcripts: Sequence[Transcript]) -> dict:
         "num_utterances": len(transcripts),
         "num_words": sum(n for _, n in words),
         "per_speaker": per_speaker,
+        "speaker_counts": speaker_counts,
+        "utterances": [
+            {
+                "utt_id": t.utt_id,
+                "speaker": t.speaker,
+                "word_errors": we,
+                "words": wn,
+                "char_errors": ce,
+                "chars": cn,
+            }
+            for t, (we, wn), (ce, cn) in zip(transcripts, words, chars, strict=True)
+        ],
     }
 
 

@@ -6,6 +6,7 @@
         tensorboard/    the same scalars as TensorBoard events (when tensorboard is installed)
         checkpoints/    step-XXXXXXX.safetensors (+ .json): model, server state, step, metrics
                         final.safetensors (+ .json): the final model (loadable by load_model)
+        errors/         <eval set>.jsonl: per-utterance word/char errors of the final evaluation
         record.json     the result record (pflbench.results.schema.ResultRecord)
         DONE            written last
 
@@ -39,6 +40,7 @@ from pflbench.fl.freeze import layer_scores, select_trained
 from pflbench.fl.sampling import keyed_seed, sampling_rate
 from pflbench.fl.simulator import Simulator
 from pflbench.metrics_log import MetricsLog
+from pflbench.results.schema import safe_name
 from pflbench.spec.models import RunConfig
 from pflbench.spec.resolve import canonical_json, config_hash
 
@@ -221,6 +223,16 @@ def seed_model_results(model, data, config: RunConfig, device: str, seed_path) -
     return results
 
 
+def write_utterance_errors(run_dir: Path, results: dict) -> None:
+    """errors/<eval set>.jsonl: one line per utterance of the final evaluation (utt_id, speaker,
+    word_errors, words, char_errors, chars), for error analysis beyond the record's counts."""
+    folder = run_dir / "errors"
+    folder.mkdir(exist_ok=True)
+    for name, r in results.items():
+        lines = [json.dumps(u, sort_keys=True) + "\n" for u in r["utterances"]]
+        write_atomic(folder / f"{safe_name(name, 'eval set')}.jsonl", "".join(lines))
+
+
 def eval_summary(results: dict) -> dict:
     return {
         name: {
@@ -228,7 +240,11 @@ def eval_summary(results: dict) -> dict:
             "wer": r["wer"],
             "cer": r.get("cer"),
             "speaker_wer_mean": r.get("speaker_wer_mean"),
+            "speaker_wer_p10": r.get("speaker_wer_p10"),
+            "speaker_wer_p50": r.get("speaker_wer_median"),
+            "speaker_wer_p90": r.get("speaker_wer_p90"),
             "num_utterances": r.get("num_utterances"),
+            "speakers": r.get("speaker_counts"),
         }
         for name, r in results.items()
     }
@@ -484,6 +500,7 @@ def _run(config, run_dir, ctx, device, options: RunOptions, started: float):
         }
         save_model(run_dir / "checkpoints" / "final.safetensors", sim.model, final_meta)
         wall = time.perf_counter() - started
+        write_utterance_errors(run_dir, final)
         record = build_record(
             config, data, lines, final, seed_results, sigma_dp, population, ctx, device,
             sim.model, sim.client.group_size, wall,
@@ -521,6 +538,7 @@ def _run_without_fl(config, run_dir, ctx, device, data, model, seed_path, option
         "seed_checkpoint": str(seed_path) if seed_path else None,
     }
     save_model(run_dir / "checkpoints" / "final.safetensors", model, meta)
+    write_utterance_errors(run_dir, final)
     wall = time.perf_counter() - started
     record = build_record(
         config, data, lines, final, seed_results, 0.0, 0, ctx, device, model, 1, wall

@@ -40,6 +40,32 @@ def _print_plots(report) -> None:
         console.print(f"[yellow]skipped[/] {why}", highlight=False)
 
 
+def _validity_report(records, registry, task: str, against: str):
+    from pflbench.results.validity import validity_report
+
+    spec = registry.tasks[task].spec if task in registry.tasks else None
+    return validity_report(
+        records,
+        task,
+        against,
+        {name: loaded.spec for name, loaded in registry.budgets.items()},
+        task_budgets=spec.budgets if spec is not None else None,
+        task_version=spec.version if spec is not None else None,
+    )
+
+
+def _validity_sections(records, registry) -> dict[str, str]:
+    """The validity report of each embedded task with records, for its leaderboard section."""
+    from pflbench.results.validity import VALIDITY_PAIRS, render_validity
+
+    tasks = {r.task.name for r in records}
+    return {
+        task: render_validity(_validity_report(records, registry, task, against))
+        for task, against in VALIDITY_PAIRS.items()
+        if task in tasks
+    }
+
+
 def register(app: typer.Typer) -> None:
     @app.command("submit")
     def submit(
@@ -87,10 +113,12 @@ def register(app: typer.Typer) -> None:
         )
 
         registry = _registry(specs)
+        records = load_results(results)
         text = render_leaderboard(
-            load_results(results),
+            records,
             {name: loaded.spec.version for name, loaded in registry.tasks.items()},
             {name: loaded.spec for name, loaded in registry.budgets.items()},
+            _validity_sections(records, registry),
         )
         if check:
             if not leaderboard_is_current(output, text):
@@ -103,6 +131,97 @@ def register(app: typer.Typer) -> None:
             return
         output.write_text(text, encoding="utf-8")
         console.print(f"wrote {output}", highlight=False)
+
+    @app.command("compare")
+    def compare(
+        side_a: str = typer.Argument(..., help="Run dirs or record ids of row A, comma-separated."),
+        side_b: str = typer.Argument(..., help="Run dirs or record ids of row B, comma-separated."),
+        results: Path = ResultsOption,
+        eval_set: list[str] = typer.Option(
+            None, "--eval-set", help="Compare on this eval set (repeatable); default: all shared."
+        ),
+        replicates: int = typer.Option(2000, "--replicates", min=100, help="Bootstrap draws."),
+        seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap."),
+        as_json: bool = JsonOption,
+    ) -> None:
+        """Paired comparison of two rows (one or more seeds each): WER(A) - WER(B) per eval set
+        with a 95% bootstrap CI that resamples speakers (paired) and seeds."""
+        from pflbench.results.stats import compare_records, load_side
+
+        a = load_side(_split(side_a, "side A"), results)
+        b = load_side(_split(side_b, "side B"), results)
+        found = compare_records(a, b, eval_set or None, replicates=replicates, seed=seed)
+        if as_json:
+            print_json(
+                [
+                    {
+                        "eval_set": c.eval_set,
+                        "wer_a": c.wer_a,
+                        "wer_b": c.wer_b,
+                        "difference": c.difference.estimate,
+                        "ci95": [c.difference.low, c.difference.high],
+                        "speakers": c.difference.num_speakers,
+                        "seeds": [len(a), len(b)],
+                        "beyond_noise": c.beyond_noise,
+                    }
+                    for c in found
+                ]
+            )
+            return
+        console.print(
+            f"A = {a[0].baseline} / {a[0].budget} ({len(a)} seeds), "
+            f"B = {b[0].baseline} / {b[0].budget} ({len(b)} seeds)",
+            highlight=False,
+        )
+        for c in found:
+            d = c.difference
+            verdict = "beyond seed and sampling noise" if c.beyond_noise else "within noise"
+            console.print(
+                f"{c.eval_set}: WER A {100 * c.wer_a:.2f}%  B {100 * c.wer_b:.2f}%  "
+                f"A-B {100 * d.estimate:+.2f} [95% CI {100 * d.low:+.2f}, {100 * d.high:+.2f}] "
+                f"over {d.num_speakers} speakers: {verdict}",
+                highlight=False,
+            )
+
+    @app.command("validity")
+    def validity(
+        task: str = typer.Option(..., "--task", help="The embedded task."),
+        against: str = typer.Option(..., "--against", help="The paper task it stands for."),
+        results: Path = ResultsOption,
+        specs: list[Path] = SpecsOption,
+        as_json: bool = JsonOption,
+    ) -> None:
+        """Kendall τ between the embedded task's ranking of (baseline, budget) and the paper's
+        Table 1 ranking, with every pair's agreement (also a section of leaderboard.md)."""
+        from pflbench.results.leaderboard import load_results
+        from pflbench.results.validity import render_validity
+
+        report = _validity_report(load_results(results), _registry(specs), task, against)
+        if not as_json:
+            typer.echo(render_validity(report), nl=False)
+            return
+        print_json(
+            {
+                "task": task,
+                "against": against,
+                "kendall_tau_b": report.tau,
+                "configurations": [
+                    {
+                        "baseline": c[0],
+                        "budget": c[1],
+                        "embedded_budget": report.embedded_budget[c],
+                        "paper_wer": report.paper_wer[c],
+                        "embedded_wer": report.embedded_wer[c],
+                        "seeds": report.seeds[c],
+                    }
+                    for c in report.common
+                ],
+                "pairs": [
+                    {"a": list(p.first), "b": list(p.second), "agreement": p.agreement}
+                    for p in report.pairs
+                ],
+            }
+        )
 
     group = typer.Typer(help="Work with the records in results/.", no_args_is_help=True)
     app.add_typer(group, name="results")

@@ -12,7 +12,7 @@ import math
 import re
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -24,6 +24,9 @@ RECORD_SCHEMA_VERSION = 1
 MAX_RECORD_BYTES = 2 * 1024 * 1024  # a record is a few KiB; anything this large is not one
 NAME_PATTERN = r"^[a-z0-9][a-z0-9.\-]{0,99}$"  # task / baseline / budget names (as in the specs)
 RECORD_ID_PATTERN = r"^[0-9a-f]{16}$"
+
+
+Count = Annotated[int, Field(ge=0)]
 
 
 class Strict(BaseModel):
@@ -53,7 +56,15 @@ class EvalResult(Strict):
     wer: float = Field(ge=0, description="Word error rate as a fraction (0.2 = 20%).")
     cer: float | None = Field(None, ge=0)
     speaker_wer_mean: float | None = Field(None, ge=0)
+    speaker_wer_p10: float | None = Field(None, ge=0, description="10th percentile speaker WER.")
+    speaker_wer_p50: float | None = Field(None, ge=0, description="Median speaker WER.")
+    speaker_wer_p90: float | None = Field(None, ge=0, description="90th percentile speaker WER.")
     num_utterances: int | None = Field(None, ge=0)
+    speakers: dict[str, tuple[Count, Count]] | None = Field(
+        None,
+        description="Per speaker (word errors, reference words): what a speaker-level bootstrap "
+        "of the WER resamples (pflbench.results.stats).",
+    )
 
 
 class HistoryPoint(Strict):

@@ -1,0 +1,105 @@
+"""Speaker-level bootstrap CIs of WER and paired comparisons (pflbench.results.stats)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from pflbench.errors import UserError
+from pflbench.results.stats import difference_interval, wer_interval
+
+
+def population(rng: np.random.Generator, speakers: int) -> tuple[np.ndarray, np.ndarray]:
+    """Speakers with heterogeneous WERs and amounts of speech: (errors, words) per speaker."""
+    words = rng.poisson(30, speakers) + 1
+    rates = rng.beta(2.0, 6.0, speakers)
+    return rng.binomial(words, rates), words
+
+
+def as_counts(errors, words, ids=None) -> dict[str, tuple[int, int]]:
+    ids = ids if ids is not None else range(len(words))
+    return {f"spk{i}": (int(e), int(n)) for i, e, n in zip(ids, errors, words, strict=True)}
+
+
+def test_speaker_bootstrap_covers_the_population_wer_about_95_percent():
+    rng = np.random.default_rng(0)
+    errors, words = population(rng, 20_000)
+    true_wer = errors.sum() / words.sum()
+    trials, covered = 200, 0
+    for trial in range(trials):
+        sample = rng.choice(len(words), size=80, replace=False)
+        ci = wer_interval([as_counts(errors[sample], words[sample])], replicates=800, seed=trial)
+        covered += ci.low <= true_wer <= ci.high
+    # 200 trials: the binomial sd of the coverage is ~1.5 points around the nominal 95%.
+    assert 0.89 <= covered / trials <= 0.99
+
+
+def test_interval_shrinks_with_more_speakers_and_contains_the_estimate():
+    rng = np.random.default_rng(1)
+    errors, words = population(rng, 1_000)
+    small = wer_interval([as_counts(errors[:50], words[:50])])
+    large = wer_interval([as_counts(errors, words)])
+    assert small.low <= small.estimate <= small.high and large.low <= large.estimate <= large.high
+    # The width scales ~1/sqrt(speakers): 20x the speakers, ~4.5x narrower.
+    assert (large.high - large.low) < (small.high - small.low) / 3
+    assert large.num_speakers == 1_000 and large.num_seeds == 1
+
+
+def test_interval_is_deterministic_given_the_seed():
+    rng = np.random.default_rng(2)
+    counts = as_counts(*population(rng, 100))
+    assert wer_interval([counts], seed=7) == wer_interval([counts], seed=7)
+    assert wer_interval([counts], seed=7) != wer_interval([counts], seed=8)
+
+
+def test_seed_noise_widens_the_interval_and_the_estimate_is_the_mean_over_seeds():
+    rng = np.random.default_rng(3)
+    errors, words = population(rng, 200)
+    same = [as_counts(errors, words)] * 3
+    # Seeds that land 25% better / worse on every speaker: the same speakers, different training.
+    spread = [as_counts(np.round(errors * f), words) for f in (0.75, 1.0, 1.25)]
+    quiet, noisy = wer_interval(same), wer_interval(spread)
+    assert (noisy.high - noisy.low) > 2 * (quiet.high - quiet.low)
+    per_seed = [sum(e for e, _ in c.values()) / words.sum() for c in spread]
+    assert noisy.estimate == pytest.approx(np.mean(per_seed))
+
+
+def test_paired_difference_of_identical_rows_is_zero_and_within_noise():
+    rng = np.random.default_rng(4)
+    counts = as_counts(*population(rng, 60))
+    diff = difference_interval([counts], [counts])
+    assert diff.estimate == 0 and diff.low == diff.high == 0 and not diff.excludes(0)
+
+
+def test_paired_difference_detects_a_real_improvement_and_not_pure_noise():
+    rng = np.random.default_rng(5)
+    errors, words = population(rng, 60)
+    base = [as_counts(rng.binomial(words, errors / words), words) for _ in range(3)]
+    better = [as_counts(rng.binomial(words, 0.7 * errors / words), words) for _ in range(3)]
+    same = [as_counts(rng.binomial(words, errors / words), words) for _ in range(3)]
+    gain = difference_interval(better, base)
+    assert gain.estimate < 0 and gain.excludes(0)
+    assert not difference_interval(same, base).excludes(0)
+
+
+def test_pairing_makes_the_interval_narrower_than_the_unpaired_one():
+    # The same speakers are hard for both systems: pairing cancels the speaker variance.
+    rng = np.random.default_rng(6)
+    errors, words = population(rng, 100)
+    a = [as_counts(errors, words)]
+    b = [as_counts(np.minimum(words, errors + rng.binomial(words, 0.05)), words)]
+    paired = difference_interval(a, b)
+    left, right = wer_interval(a), wer_interval(b)
+    unpaired_width = np.hypot(left.high - left.low, right.high - right.low)
+    assert (paired.high - paired.low) < unpaired_width / 2
+
+
+def test_different_eval_sets_and_missing_words_are_refused():
+    rng = np.random.default_rng(7)
+    errors, words = population(rng, 20)
+    with pytest.raises(UserError, match="not the same eval set"):
+        difference_interval([as_counts(errors, words)], [as_counts(errors[:10], words[:10])])
+    with pytest.raises(UserError, match="no reference words"):
+        wer_interval([{"a": (3, 0), "b": (1, 0)}])
+    with pytest.raises(UserError, match="no per-speaker counts"):
+        wer_interval([])
