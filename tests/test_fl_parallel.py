@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pflbench.errors import UserError
-from pflbench.fl.client import ClientTrainer
+from pflbench.fl.client import SequentialClientTrainer
 from pflbench.fl.distributed import DistContext
 from pflbench.fl.parallel import ParallelClientTrainer
 from pflbench.fl.simulator import Simulator
@@ -42,7 +42,7 @@ def test_group_updates_equal_one_client_at_a_time(tiny_task_data, variant):
     global_params = [dict(model.named_parameters())[n].detach() for n in names]
     clients = _clients(tiny_task_data.federated_train, 3)
 
-    one = ClientTrainer(model, names, recipe, AUGMENT, seed=7, device="cpu")
+    one = SequentialClientTrainer(model, names, recipe, AUGMENT, seed=7, device="cpu")
     expected = {}
     for user, result in one.train_group(global_params, clients, 5):
         expected[user] = (result, {k: v.clone() for k, v in result.update.items()})
