@@ -113,6 +113,63 @@ def _perturbed(value):
     return None
 
 
+def test_builtin_task_configs_keep_their_golden_hashes():
+    """Resolved configs of every built-in task × baseline, hashed before the tasks were rewritten
+    with `include:` templates; a change here changes the hash of every run of that task."""
+    golden_file = Path(__file__).parent / "fixtures" / "task_config_hashes.json"
+    golden = json.loads(golden_file.read_text())
+    reg = load_registry()
+    assert set(golden) == {f"{t}/{b}" for t in reg.tasks for b in reg.baselines}
+    for key, digest in golden.items():
+        task, baseline = key.split("/")
+        assert config_hash(resolve(reg, task, baseline, "none", 0)) == digest, key
+
+
+def test_task_includes_merge_templates_under_the_file(tmp_path):
+    d = _spec_dir(
+        tmp_path,
+        {
+            "tasks/templates/a.yaml": "recipe: {federated: {cohort_size: 7, client: {lr: 0.3}}}\n",
+            "tasks/templates/b.yaml": "recipe: {federated: {cohort_size: 9}}\n"
+            + "eval_sets: [{name: x, corpus: commonvoice, subset: dev, locale: en, role: dev}]\n",
+            "tasks/my-task.yaml": TASK.replace(
+                "version: 1", "include: [templates/a.yaml, templates/b.yaml]\nversion: 1"
+            )
+            + "recipe: {federated: {client: {local_steps: 3}}}\n",
+        },
+    )
+    loaded = load_registry([d]).task("my-task")
+    fed = loaded.spec.recipe.federated
+    # later templates win over earlier ones, the task file over all; lists are replaced whole
+    assert (fed.cohort_size, fed.client.lr, fed.client.local_steps) == (9, 0.3, 3)
+    assert [e.name for e in loaded.spec.eval_sets] == ["d"]
+    # the file digest covers the templates: editing one changes it
+    before = loaded.sha256
+    (d / "tasks/templates/a.yaml").write_text("recipe: {federated: {cohort_size: 8}}\n")
+    assert load_registry([d]).task("my-task").sha256 != before
+
+
+@pytest.mark.parametrize(
+    "include, templates, needle",
+    [
+        ("[templates/missing.yaml]", {}, "missing.yaml does not exist"),
+        ("[templates/a.yaml]", {"tasks/templates/a.yaml": "- 1\n"}, "must be a mapping"),
+        (
+            "[templates/a.yaml]",
+            {"tasks/templates/a.yaml": "include: [b.yaml]\n"},
+            "cannot include other templates",
+        ),
+        ("{a: 1}", {}, "expected a list of template file paths"),
+    ],
+)
+def test_bad_includes_name_the_file(tmp_path, include, templates, needle):
+    task = TASK.replace("version: 1", f"include: {include}\nversion: 1")
+    d = _spec_dir(tmp_path, {"tasks/my-task.yaml": task, **templates})
+    with pytest.raises(UserError, match="my-task.yaml|a.yaml") as info:
+        load_registry([d])
+    assert needle in str(info.value)
+
+
 def test_config_hash_changes_with_every_resolved_value():
     base_cfg = fixture_config()
     base = config_hash(base_cfg)
