@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 from typer.testing import CliRunner
 
 from pflbench.cli import app
@@ -155,6 +156,21 @@ def test_store_resumes_after_an_interrupted_build(
     a, b = list(full), list(resumed)
     assert [u.utt_id for u in a] == [u.utt_id for u in b]
     assert all(np.array_equal(x.feats, y.feats) for x, y in zip(a, b, strict=True))
+
+
+def test_building_a_store_in_process_keeps_the_callers_thread_count(
+    tiny_corpus_root: Path, tmp_path: Path
+) -> None:
+    # One shard left to build runs in this process: seed training after a fresh prepare used to
+    # run on the one thread the shard builder set.
+    entries = commonvoice_manifest(tiny_corpus_root / CV / "dev.tsv", "dev", "en", Skips())
+    before = torch.get_num_threads()
+    torch.set_num_threads(before + 1)
+    try:
+        build_store(tmp_path / "store", entries, "en", "d1", {}, workers=1)
+        assert torch.get_num_threads() == before + 1
+    finally:
+        torch.set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------------------------
