@@ -295,7 +295,7 @@ def run(
     check_privacy(config)
     set_cpu_threads()
     ctx = init_from_env(device)
-    device = f"cuda:{ctx.local_rank}" if device.startswith("cuda") else device
+    device = f"cuda:{ctx.local_rank}" if device == "cuda" else device  # cuda:N: one process
     run_dir = Path(out_dir) if out_dir is not None else default_run_dir(config)
     try:
         if ctx.is_main:

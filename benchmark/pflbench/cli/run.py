@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from pflbench.cli.common import SpecsOption, console, extra_spec_dirs
+from pflbench.cli.common import DeviceOption, SpecsOption, check_device, console, extra_spec_dirs
 from pflbench.errors import UserError
 
 
@@ -45,7 +45,7 @@ def register(app: typer.Typer) -> None:
         sets: list[str] = typer.Option(
             None, "--set", help="Recipe override key.path=value (repeatable)."
         ),
-        device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+        device: str = DeviceOption,
         out: Path = typer.Option(
             None,
             "--out",
@@ -77,10 +77,7 @@ def register(app: typer.Typer) -> None:
         from pflbench.spec.registry import load_registry
         from pflbench.spec.resolve import default_budget, resolve
 
-        if device not in ("cpu", "cuda"):
-            raise UserError(f"--device {device!r}: choose cpu or cuda")
-        if device == "cuda" and not __import__("torch").cuda.is_available():
-            raise UserError("--device cuda: no CUDA device is available to this torch build")
+        check_device(device, processes=max(nproc, int(os.environ.get("WORLD_SIZE", "1"))))
         if out is not None and resume is not None and out != resume:
             raise UserError("give either --out or --resume (the run directory to continue)")
         registry = load_registry(extra_spec_dirs(specs))
