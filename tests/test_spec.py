@@ -10,7 +10,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from click.testing import Result
+from typer.testing import CliRunner
 
+from pflbench.cli import app
 from pflbench.errors import UserError
 from pflbench.spec.models import Recipe
 from pflbench.spec.registry import load_registry
@@ -237,9 +240,8 @@ def test_user_specs_appear_next_to_builtin(tmp_path, monkeypatch):
     d = _spec_dir(tmp_path, {"tasks/my-task.yaml": TASK})
     assert "my-task" in load_registry([d]).tasks
     assert "cv-en-ls100-seed" in load_registry([d]).tasks
-    monkeypatch.setenv("PFLBENCH_SPECS", str(d))
-    out = _cli("tasks", "list", "--json")
-    assert out.returncode == 0, out.stderr
+    out = _cli("tasks", "list", "--json", env={"PFLBENCH_SPECS": str(d)})
+    assert out.exit_code == 0, out.output
     assert "my-task" in {row["name"] for row in json.loads(out.stdout)}
 
 
@@ -287,11 +289,9 @@ def test_malformed_specs_name_file_and_key(tmp_path, files, needles):
         load_registry([d])
     for needle in needles:
         assert needle in str(info.value), (needle, str(info.value))
-    # The CLI prints the same message without a traceback and exits 2.
+    # The CLI raises the same UserError (which `pflbench` prints without a traceback, exit 2).
     out = _cli("tasks", "list", "--specs", str(d))
-    assert out.returncode == 2
-    assert "Traceback" not in out.stderr
-    assert needles[0] in out.stderr
+    assert isinstance(out.exception, UserError) and str(out.exception) == str(info.value)
 
 
 def test_recipe_rejects_steps_and_epochs_together():
@@ -299,19 +299,19 @@ def test_recipe_rejects_steps_and_epochs_together():
         Recipe.model_validate({"federated": {"client": {"local_steps": 2, "local_epochs": 2}}})
 
 
-def _cli(*args: str, cwd: Path | None = None, env: dict | None = None):
-    return subprocess.run(
-        [sys.executable, "-m", "pflbench", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-    )
+def _cli(*args: str, env: dict | None = None) -> Result:
+    """The typer app in this process (UserErrors come back as `.exception`)."""
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def _process(*args: str) -> subprocess.CompletedProcess:
+    """`python -m pflbench` in a new process: its exit code and stderr as a user sees them."""
+    return subprocess.run([sys.executable, "-m", "pflbench", *args], capture_output=True, text=True)
 
 
 def test_cli_help_lists_every_group():
-    out = _cli("--help")
-    assert out.returncode == 0
+    out = _cli("--help", env={"COLUMNS": "200"})
+    assert out.exit_code == 0
     for group in (
         "run tasks baselines budgets privacy data seed eval sweep submit leaderboard results "
         "plot bench"
@@ -321,19 +321,22 @@ def test_cli_help_lists_every_group():
 
 def test_cli_show_json_and_unknown_name():
     out = _cli("tasks", "show", "synth-cv-en-ls-seed", "--json")
-    assert out.returncode == 0
+    assert out.exit_code == 0
     data = json.loads(out.stdout)
     assert data["name"] == "synth-cv-en-ls-seed" and data["_source"]["file_sha256"]
     out = _cli("budgets", "show", "no-such-budget")
-    assert out.returncode == 2 and "unknown budget 'no-such-budget'" in out.stderr
-    assert "Traceback" not in out.stderr
+    assert isinstance(out.exception, UserError)
+    assert "unknown budget 'no-such-budget'" in str(out.exception)
 
 
 def test_cli_usage_errors_exit_2_without_traceback():
-    out = _cli("tasks", "show")  # missing argument
+    out = _process("tasks", "show")  # missing argument
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    out = _cli("privacy", "epsilon", "--noise-multiplier", "abc", "--sampling-rate", "0.1")
+    out = _process("privacy", "epsilon", "--noise-multiplier", "abc", "--sampling-rate", "0.1")
     assert out.returncode == 2 and "Traceback" not in out.stderr
+    out = _process("budgets", "show", "no-such-budget")  # a UserError
+    assert out.returncode == 2 and "unknown budget 'no-such-budget'" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_default_budget_is_the_tasks_first_for_clipping_federated_baselines():
