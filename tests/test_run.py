@@ -217,6 +217,27 @@ def _cli(*args: str, **kw) -> subprocess.Popen:
     )
 
 
+def test_cli_run_in_a_pipe_prints_progress_lines_and_a_summary(env, tmp_path):
+    args = ["run", "--task", TASK, "--baseline", "perlayer-dim", "--budget", "eps7.2-high-pop",
+            "--specs", str(env), "--out", str(tmp_path / "run")]  # fmt: skip
+    result = CliRunner().invoke(app, args)  # stdout is not a terminal here
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert any(line.startswith("federated  3/3 (100%)  elapsed") for line in lines)
+    assert not any("…" in line for line in lines)  # no bar cut to the width
+    record, _ = load_record(tmp_path / "run" / "record.json")
+    wer = 100 * record.metrics.final["cv-dev"].wer
+    seed_wer = 100 * record.metrics.seed_model["cv-dev"].wer
+    assert any(line.startswith("cv-dev") and f"{wer:.1f} /" in line and f"({seed_wer:.1f} /" in line
+               for line in lines)  # fmt: skip
+    rdp = record.privacy.extrapolated.epsilon["rdp"].epsilon
+    assert any("extrapolated scale" in line and f"rdp {rdp:.3g}" in line for line in lines)
+    assert any("simulated scale" in line for line in lines)
+    assert any(line.startswith("wall time: ") for line in lines)
+    assert lines[-2:] == [f"run directory: {tmp_path / 'run'}",
+                          f"result record: {tmp_path / 'run' / 'record.json'}"]  # fmt: skip
+
+
 def test_real_task_without_corpora_fails_fast(tmp_path):
     args = ["run", "--task", "cv-en-ls100-seed", "--baseline", "perlayer-dim",
             "--data-root", str(tmp_path), "--out", str(tmp_path / "run")]  # fmt: skip

@@ -39,6 +39,7 @@ from pflbench.fl.freeze import layer_scores, select_trained
 from pflbench.fl.sampling import keyed_seed, sampling_rate
 from pflbench.fl.simulator import Simulator
 from pflbench.metrics_log import MetricsLog
+from pflbench.progress import make_progress
 from pflbench.spec.models import RunConfig
 from pflbench.spec.resolve import canonical_json, config_hash
 
@@ -243,7 +244,6 @@ def progress_bar(enabled: bool, total: int, completed: int) -> Iterator:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
-        Progress,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
@@ -258,7 +258,7 @@ def progress_bar(enabled: bool, total: int, completed: int) -> Iterator:
         TimeRemainingColumn(),
         TextColumn("{task.description}"),
     ]
-    with Progress(*columns, disable=not enabled, transient=False) as progress:
+    with make_progress("federated", *columns, enabled=enabled) as progress:
         task = progress.add_task("", total=total, completed=completed)
 
         def update(line: dict) -> None:

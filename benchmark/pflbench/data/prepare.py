@@ -236,11 +236,13 @@ def prepare_eval(ev: EvalSet, root: Path, language: str, cache_dir: Path, bars) 
 
 
 def _progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
 
-    return Progress(
-        "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), transient=False,
+    from pflbench.progress import make_progress
+
+    return make_progress(
+        "data", "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(),
     )  # fmt: skip
 
 
