@@ -3,7 +3,11 @@ spec registry finds them after a non-editable install (pyproject.toml holds ever
 
 from setuptools import find_packages, setup
 
-SPEC_PACKAGES = {"pflbench.specs.tasks": "tasks", "pflbench.specs.baselines": "baselines"}
+SPEC_PACKAGES = {
+    "pflbench.specs.tasks": "tasks",
+    "pflbench.specs.tasks.templates": "tasks/templates",
+    "pflbench.specs.baselines": "baselines",
+}
 
 setup(
     packages=find_packages("benchmark") + list(SPEC_PACKAGES),

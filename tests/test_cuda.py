@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_run import TASK, _config, env, specs_dir  # noqa: F401  (fixtures)
 
-from pflbench.fl.client import ClientTrainer
+from pflbench.fl.client import SequentialClientTrainer
 from pflbench.fl.distributed import DistContext
 from pflbench.fl.parallel import ParallelClientTrainer
 from pflbench.fl.simulator import Simulator
@@ -32,7 +32,7 @@ def test_group_updates_equal_one_client_at_a_time_on_cuda(tiny_task_data):
     users = sorted(store.users(), key=lambda u: (-store.user_num_utterances(u), u))[:3]
     clients = [(u, store.load_user(u)) for u in users]
 
-    one = ClientTrainer(model, names, recipe, AUGMENT, seed=7, device="cuda")
+    one = SequentialClientTrainer(model, names, recipe, AUGMENT, seed=7, device="cuda")
     expected = {
         u: {k: v.clone() for k, v in r.update.items()}
         for u, r in one.train_group(global_params, clients, 5)

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import soundfile as sf
+import torch
 from typer.testing import CliRunner
 
 from pflbench.cli import app
@@ -112,8 +113,26 @@ def test_task_data_stores(tiny_task_data, tiny_corpus_root: Path) -> None:
     assert stats["users"] == len(fed.users()) and stats["minutes_per_user"]["max"] > 0
 
 
-def test_prepare_reuses_the_store(tiny_task, tiny_cache_dir: Path, tiny_task_data) -> None:
+def test_prepare_reuses_the_store(
+    tiny_task, tiny_cache_dir: Path, tiny_task_data, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def files() -> dict[Path, tuple[int, int, int]]:
+        return {
+            p: (p.stat().st_ino, p.stat().st_mtime_ns, p.stat().st_size)
+            for p in tiny_cache_dir.rglob("*")
+            if p.is_file()
+        }
+
+    shards_written = []
+    write_shard = store_module.write_shard
+    monkeypatch.setattr(
+        store_module, "write_shard", lambda *a: shards_written.append(a[0]) or write_shard(*a)
+    )
+    before = files()
     again = prepare_task(tiny_task, cache_dir=tiny_cache_dir, progress=False)
+    # nothing built, rewritten or added: every cached file is the same inode, untouched
+    assert shards_written == [] and files() == before
+    assert any(p.name.startswith("shard-") for p in before)
     assert again.federated_train.path == tiny_task_data.federated_train.path
     assert again.federated_train.digest == tiny_task_data.federated_train.digest
 
@@ -155,6 +174,21 @@ def test_store_resumes_after_an_interrupted_build(
     a, b = list(full), list(resumed)
     assert [u.utt_id for u in a] == [u.utt_id for u in b]
     assert all(np.array_equal(x.feats, y.feats) for x, y in zip(a, b, strict=True))
+
+
+def test_building_a_store_in_process_keeps_the_callers_thread_count(
+    tiny_corpus_root: Path, tmp_path: Path
+) -> None:
+    # One shard left to build runs in this process: seed training after a fresh prepare used to
+    # run on the one thread the shard builder set.
+    entries = commonvoice_manifest(tiny_corpus_root / CV / "dev.tsv", "dev", "en", Skips())
+    before = torch.get_num_threads()
+    torch.set_num_threads(before + 1)
+    try:
+        build_store(tmp_path / "store", entries, "en", "d1", {}, workers=1)
+        assert torch.get_num_threads() == before + 1
+    finally:
+        torch.set_num_threads(before)
 
 
 # ----------------------------------------------------------------------------------------------

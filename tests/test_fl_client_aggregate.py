@@ -8,7 +8,14 @@ from pydantic import ValidationError
 
 from pflbench.fl.aggregate import StepAggregator
 from pflbench.fl.bench import RandomUserStore
-from pflbench.fl.client import ClientTrainer, limit_utterances, local_batches, variational_noise_std
+from pflbench.fl.client import (
+    ClientResult,
+    SequentialClientTrainer,
+    limit_utterances,
+    local_batches,
+    variational_noise_std,
+)
+from pflbench.fl.local_update import LocalUpdate
 from pflbench.fl.sampling import expected_cohort, sample_cohort
 from pflbench.model.transformer import build_model
 from pflbench.privacy.noise import add_gaussian_noise, client_noise_std, noise_generator
@@ -17,12 +24,12 @@ from pflbench.spec.models import ClientRecipe, PrivacyRecipe, Recipe, SpecAugmen
 STORE = RandomUserStore(num_users=3, utterances_per_user=6)
 
 
-def _trainer(**client) -> tuple[torch.nn.Module, ClientTrainer]:
+def _trainer(**client) -> tuple[torch.nn.Module, SequentialClientTrainer]:
     torch.manual_seed(0)
     model = build_model("tiny", 30)
     recipe = ClientRecipe(**{"local_steps": 2, "batch_seconds": 10.0, **client})
     names = [n for n, _ in model.named_parameters()]
-    trainer = ClientTrainer(model, names, recipe, SpecAugmentRecipe(), seed=1, device="cpu")
+    trainer = SequentialClientTrainer(model, names, recipe, SpecAugmentRecipe(), 1, "cpu")
     return model, trainer
 
 
@@ -30,21 +37,28 @@ def _globals(model: torch.nn.Module) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
+def _train(trainer, global_params, data, step: int, user: str) -> ClientResult:
+    ((_, result),) = trainer.train_group(global_params, [(user, data)], step)
+    return result
+
+
 def test_delta_is_global_minus_local_and_keyed():
     model, trainer = _trainer()
     before = [p.clone() for p in _globals(model)]
     data = STORE.load_user("user00000")
-    first = {k: v.clone() for k, v in trainer.train(_globals(model), data, 3, "u0").update.items()}
-    local = [p.detach().clone() for p in trainer.params]
+    first = {
+        k: v.clone() for k, v in _train(trainer, _globals(model), data, 3, "u0").update.items()
+    }
+    local = [p[0].clone() for p in trainer.update.params]
     for g, d, theta in zip(before, first.values(), local, strict=True):
         assert torch.equal(d, g - theta)
     assert all(torch.equal(a, b) for a, b in zip(before, _globals(model), strict=True))
     assert any(d.abs().sum() > 0 for d in first.values())
     # Another user in between must not leak into a repeat of the first (buffers are reused).
-    trainer.train(_globals(model), STORE.load_user("user00001"), 3, "u1")
-    again = trainer.train(_globals(model), data, 3, "u0")
+    _train(trainer, _globals(model), STORE.load_user("user00001"), 3, "u1")
+    again = _train(trainer, _globals(model), data, 3, "u0")
     assert all(torch.equal(first[k], again.update[k]) for k in first)
-    other_step = trainer.train(_globals(model), data, 4, "u0")
+    other_step = _train(trainer, _globals(model), data, 4, "u0")
     assert not all(torch.equal(first[k], other_step.update[k]) for k in first)
 
 
@@ -61,22 +75,97 @@ def test_local_steps_and_epochs_schedule():
 def test_local_gradient_clipping_bounds_each_step():
     # One local step of lr 1 with C_loc = 1e-3: ‖Δ‖ ≤ 1e-3.
     model, trainer = _trainer(local_steps=1, lr=1.0, grad_clip=1e-3)
-    result = trainer.train(_globals(model), STORE.load_user("user00000"), 0, "u")
+    result = _train(trainer, _globals(model), STORE.load_user("user00000"), 0, "u")
     norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(list(result.update.values()))))
     assert 0.9e-3 < norm <= 1e-3 * (1 + 1e-5)
 
 
-def test_fedprox_gradient_is_mu_times_distance():
-    model, trainer = _trainer(fedprox_mu=0.5, lr=0.1, grad_clip=1e6)
-    global_params = [torch.zeros_like(p) for p in trainer.params]
+def _stacked(group: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Parameters and gradients of a few tensors (shapes like a model's), stacked [G, ...]."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(48, 16), (16,), (3, 5, 7), (1,)]
+    params = [torch.randn(group, *s, generator=gen) for s in shapes]
+    grads = [torch.randn(group, *s, generator=gen) * 10.0 ** (i - 2) for i, s in enumerate(shapes)]
+    return params, grads
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.5])
+def test_one_client_rule_is_clip_grad_norm_and_sgd_bitwise(mu):
+    """G = 1 performs exactly torch's clip_grad_norm_(foreach=True) and a foreach SGD step (with
+    FedProx's mu (θ − θ_g) added first): one client at a time keeps its results bit for bit."""
+    recipe = ClientRecipe(lr=0.3, grad_clip=0.5, fedprox_mu=mu)
+    params, grads = _stacked(1)
+    theta = [p[0].clone() for p in params]  # θ at some local step
+    global_params = [t + 0.01 * torch.randn_like(t) for t in theta]
+    leaves = [t.clone().requires_grad_() for t in theta]
+    for leaf, g in zip(leaves, grads, strict=True):
+        leaf.grad = g[0].clone()
     with torch.no_grad():
-        for i, p in enumerate(trainer.params):
-            p.fill_(float(i % 3) - 1.0)
-            p.grad.zero_()
-    expected = [p.detach() - 0.1 * 0.5 * (p.detach() - 0.0) for p in trainer.params]
-    trainer._sgd_step(global_params)
-    for p, e in zip(trainer.params, expected, strict=True):
-        torch.testing.assert_close(p.detach(), e)
+        if mu:
+            distance = torch._foreach_sub(leaves, global_params)
+            torch._foreach_add_([p.grad for p in leaves], distance, alpha=mu)
+        total = torch.nn.utils.clip_grad_norm_(leaves, recipe.grad_clip, foreach=True)
+        torch._foreach_add_(leaves, [p.grad for p in leaves], alpha=-recipe.lr)
+    assert total > recipe.grad_clip  # the clipping is active
+
+    rule = LocalUpdate(params, grads, recipe)
+    rule.start(global_params)
+    torch._foreach_copy_(params, [t.unsqueeze(0) for t in theta])
+    rule.step(idle=[])
+    for leaf, p, g in zip(leaves, params, grads, strict=True):
+        assert torch.equal(g[0], leaf.grad) and torch.equal(p[0], leaf.detach())
+    delta = rule.finish()
+    for d, g, leaf in zip(delta, global_params, leaves, strict=True):
+        assert torch.equal(d[0], g - leaf.detach())
+
+
+def test_fedprox_gradient_is_mu_times_distance():
+    recipe = ClientRecipe(fedprox_mu=0.5, lr=0.1, grad_clip=1e6)
+    params, grads = _stacked(2)
+    rule = LocalUpdate(params, grads, recipe)
+    rule.start([torch.zeros_like(p[0]) for p in params])
+    for i, p in enumerate(params):
+        p.fill_(float(i % 3) - 1.0)
+    rule.zero_grad()
+    expected = [p - 0.1 * 0.5 * (p - 0.0) for p in params]
+    rule.step(idle=[])
+    for p, e in zip(params, expected, strict=True):
+        torch.testing.assert_close(p, e)
+
+
+def test_stacked_clients_step_alone_and_idle_ones_stay():
+    """Each client's slice takes the step it would take alone (its own norm and clip factor);
+    an idle slot (schedule ended) moves by nothing, not even with NaN gradients or weight noise."""
+    recipe = ClientRecipe(lr=0.3, grad_clip=0.5, fedprox_mu=0.1, variational_noise={"std": 0.1})
+    params, grads = _stacked(3, seed=1)
+    global_params = [p[0] + 0.1 for p in params]
+    theta = [p.clone() for p in params]
+    grads[0][1] = float("nan")
+    expected = []
+    for i in (0, 2):
+        alone_params, alone_grads = (
+            [t[i : i + 1].clone() for t in theta],
+            [g[i : i + 1].clone() for g in grads],
+        )
+        alone = LocalUpdate(alone_params, alone_grads, recipe)
+        alone.start(global_params)
+        torch._foreach_copy_(alone_params, [t[i : i + 1] for t in theta])
+        alone.step(idle=[])
+        expected.append(alone_params)
+    rule = LocalUpdate(params, grads, recipe)
+    rule.start(global_params)
+    torch._foreach_copy_(params, theta)
+    generators = [torch.Generator().manual_seed(i) for i in range(3)]
+    rule.add_weight_noise(0.1, [0, 2], generators)
+    assert all(torch.equal(p[1], t[1]) for p, t in zip(params, theta, strict=True))
+    assert not torch.equal(params[0][0], theta[0][0])
+    rule.restore_clean_weights()
+    rule.step(idle=[1])
+    for slot, alone_params in zip((0, 2), expected, strict=True):
+        for p, a in zip(params, alone_params, strict=True):
+            torch.testing.assert_close(p[slot], a[0], rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(p[1], t[1]) for p, t in zip(params, theta, strict=True))
+    assert all(torch.isfinite(p).all() for p in params)
 
 
 def test_data_limit_and_variational_noise():
@@ -90,8 +179,8 @@ def test_data_limit_and_variational_noise():
     assert variational_noise_std(recipe, 50) == 0.03
     model, plain = _trainer()
     _, noisy = _trainer(variational_noise={"std": 0.01})
-    a = plain.train(_globals(model), data, 0, "u").update
-    b = noisy.train(_globals(model), data, 0, "u").update
+    a = _train(plain, _globals(model), data, 0, "u").update
+    b = _train(noisy, _globals(model), data, 0, "u").update
     assert not all(torch.equal(a[k], b[k]) for k in a)
     # The noise perturbs the gradients only: the step sizes stay bounded by lr·C_loc·steps.
     bound = 0.2 * 1.0 * 2 * (1 + 1e-5)

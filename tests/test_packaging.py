@@ -36,8 +36,11 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_wheel_contains_specs(wheel):
     names = zipfile.ZipFile(wheel).namelist()
-    shipped_tasks = {Path(n).name for n in names if n.startswith("pflbench/specs/tasks/")}
-    assert {p.name for p in (ROOT / "tasks").glob("*.yaml")} == shipped_tasks
+    prefix = "pflbench/specs/tasks/"
+    shipped_tasks = {n.removeprefix(prefix) for n in names if n.startswith(prefix)}
+    tasks = {p.relative_to(ROOT / "tasks").as_posix() for p in (ROOT / "tasks").rglob("*.yaml")}
+    assert any(t.startswith("templates/") for t in tasks)  # the templates task files include
+    assert tasks == shipped_tasks
     shipped = {Path(n).name for n in names if n.startswith("pflbench/specs/baselines/")}
     assert {p.name for p in (ROOT / "baselines").glob("*.yaml")} == shipped
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -246,11 +245,9 @@ def test_sweep_jobs_run_concurrently_with_a_share_of_the_threads(tmp_path, monke
 
 
 def test_sweep_dry_run_cli(tmp_path):
-    result = subprocess.run(
+    result = CliRunner().invoke(
+        app,
         [
-            sys.executable,
-            "-m",
-            "pflbench",
             "sweep",
             "--task",
             "synth-cv-en-ls-seed",
@@ -266,11 +263,8 @@ def test_sweep_dry_run_cli(tmp_path):
             str(tmp_path),
             "--dry-run",
         ],
-        capture_output=True,
-        text=True,
-        check=False,
     )
-    assert result.returncode == 0, result.stderr
+    assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
     assert len(lines) == 8 and all(line.startswith("to run") for line in lines)
     assert not any(tmp_path.iterdir())

@@ -10,7 +10,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from click.testing import Result
+from typer.testing import CliRunner
 
+from pflbench.cli import app
 from pflbench.errors import UserError
 from pflbench.spec.models import Recipe
 from pflbench.spec.registry import load_registry
@@ -113,6 +116,63 @@ def _perturbed(value):
     return None
 
 
+def test_builtin_task_configs_keep_their_golden_hashes():
+    """Resolved configs of every built-in task × baseline, hashed before the tasks were rewritten
+    with `include:` templates; a change here changes the hash of every run of that task."""
+    golden_file = Path(__file__).parent / "fixtures" / "task_config_hashes.json"
+    golden = json.loads(golden_file.read_text())
+    reg = load_registry()
+    assert set(golden) == {f"{t}/{b}" for t in reg.tasks for b in reg.baselines}
+    for key, digest in golden.items():
+        task, baseline = key.split("/")
+        assert config_hash(resolve(reg, task, baseline, "none", 0)) == digest, key
+
+
+def test_task_includes_merge_templates_under_the_file(tmp_path):
+    d = _spec_dir(
+        tmp_path,
+        {
+            "tasks/templates/a.yaml": "recipe: {federated: {cohort_size: 7, client: {lr: 0.3}}}\n",
+            "tasks/templates/b.yaml": "recipe: {federated: {cohort_size: 9}}\n"
+            + "eval_sets: [{name: x, corpus: commonvoice, subset: dev, locale: en, role: dev}]\n",
+            "tasks/my-task.yaml": TASK.replace(
+                "version: 1", "include: [templates/a.yaml, templates/b.yaml]\nversion: 1"
+            )
+            + "recipe: {federated: {client: {local_steps: 3}}}\n",
+        },
+    )
+    loaded = load_registry([d]).task("my-task")
+    fed = loaded.spec.recipe.federated
+    # later templates win over earlier ones, the task file over all; lists are replaced whole
+    assert (fed.cohort_size, fed.client.lr, fed.client.local_steps) == (9, 0.3, 3)
+    assert [e.name for e in loaded.spec.eval_sets] == ["d"]
+    # the file digest covers the templates: editing one changes it
+    before = loaded.sha256
+    (d / "tasks/templates/a.yaml").write_text("recipe: {federated: {cohort_size: 8}}\n")
+    assert load_registry([d]).task("my-task").sha256 != before
+
+
+@pytest.mark.parametrize(
+    "include, templates, needle",
+    [
+        ("[templates/missing.yaml]", {}, "missing.yaml does not exist"),
+        ("[templates/a.yaml]", {"tasks/templates/a.yaml": "- 1\n"}, "must be a mapping"),
+        (
+            "[templates/a.yaml]",
+            {"tasks/templates/a.yaml": "include: [b.yaml]\n"},
+            "cannot include other templates",
+        ),
+        ("{a: 1}", {}, "expected a list of template file paths"),
+    ],
+)
+def test_bad_includes_name_the_file(tmp_path, include, templates, needle):
+    task = TASK.replace("version: 1", f"include: {include}\nversion: 1")
+    d = _spec_dir(tmp_path, {"tasks/my-task.yaml": task, **templates})
+    with pytest.raises(UserError, match="my-task.yaml|a.yaml") as info:
+        load_registry([d])
+    assert needle in str(info.value)
+
+
 def test_config_hash_changes_with_every_resolved_value():
     base_cfg = fixture_config()
     base = config_hash(base_cfg)
@@ -180,9 +240,8 @@ def test_user_specs_appear_next_to_builtin(tmp_path, monkeypatch):
     d = _spec_dir(tmp_path, {"tasks/my-task.yaml": TASK})
     assert "my-task" in load_registry([d]).tasks
     assert "cv-en-ls100-seed" in load_registry([d]).tasks
-    monkeypatch.setenv("PFLBENCH_SPECS", str(d))
-    out = _cli("tasks", "list", "--json")
-    assert out.returncode == 0, out.stderr
+    out = _cli("tasks", "list", "--json", env={"PFLBENCH_SPECS": str(d)})
+    assert out.exit_code == 0, out.output
     assert "my-task" in {row["name"] for row in json.loads(out.stdout)}
 
 
@@ -230,11 +289,9 @@ def test_malformed_specs_name_file_and_key(tmp_path, files, needles):
         load_registry([d])
     for needle in needles:
         assert needle in str(info.value), (needle, str(info.value))
-    # The CLI prints the same message without a traceback and exits 2.
+    # The CLI raises the same UserError (which `pflbench` prints without a traceback, exit 2).
     out = _cli("tasks", "list", "--specs", str(d))
-    assert out.returncode == 2
-    assert "Traceback" not in out.stderr
-    assert needles[0] in out.stderr
+    assert isinstance(out.exception, UserError) and str(out.exception) == str(info.value)
 
 
 def test_recipe_rejects_steps_and_epochs_together():
@@ -242,19 +299,19 @@ def test_recipe_rejects_steps_and_epochs_together():
         Recipe.model_validate({"federated": {"client": {"local_steps": 2, "local_epochs": 2}}})
 
 
-def _cli(*args: str, cwd: Path | None = None, env: dict | None = None):
-    return subprocess.run(
-        [sys.executable, "-m", "pflbench", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        env=env,
-    )
+def _cli(*args: str, env: dict | None = None) -> Result:
+    """The typer app in this process (UserErrors come back as `.exception`)."""
+    return CliRunner().invoke(app, list(args), env=env)
+
+
+def _process(*args: str) -> subprocess.CompletedProcess:
+    """`python -m pflbench` in a new process: its exit code and stderr as a user sees them."""
+    return subprocess.run([sys.executable, "-m", "pflbench", *args], capture_output=True, text=True)
 
 
 def test_cli_help_lists_every_group():
-    out = _cli("--help")
-    assert out.returncode == 0
+    out = _cli("--help", env={"COLUMNS": "200"})
+    assert out.exit_code == 0
     for group in (
         "run tasks baselines budgets privacy data seed eval sweep submit leaderboard results "
         "plot bench"
@@ -264,19 +321,22 @@ def test_cli_help_lists_every_group():
 
 def test_cli_show_json_and_unknown_name():
     out = _cli("tasks", "show", "synth-cv-en-ls-seed", "--json")
-    assert out.returncode == 0
+    assert out.exit_code == 0
     data = json.loads(out.stdout)
     assert data["name"] == "synth-cv-en-ls-seed" and data["_source"]["file_sha256"]
     out = _cli("budgets", "show", "no-such-budget")
-    assert out.returncode == 2 and "unknown budget 'no-such-budget'" in out.stderr
-    assert "Traceback" not in out.stderr
+    assert isinstance(out.exception, UserError)
+    assert "unknown budget 'no-such-budget'" in str(out.exception)
 
 
 def test_cli_usage_errors_exit_2_without_traceback():
-    out = _cli("tasks", "show")  # missing argument
+    out = _process("tasks", "show")  # missing argument
     assert out.returncode == 2 and "Traceback" not in out.stderr
-    out = _cli("privacy", "epsilon", "--noise-multiplier", "abc", "--sampling-rate", "0.1")
+    out = _process("privacy", "epsilon", "--noise-multiplier", "abc", "--sampling-rate", "0.1")
     assert out.returncode == 2 and "Traceback" not in out.stderr
+    out = _process("budgets", "show", "no-such-budget")  # a UserError
+    assert out.returncode == 2 and "unknown budget 'no-such-budget'" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_default_budget_is_the_tasks_first_for_clipping_federated_baselines():

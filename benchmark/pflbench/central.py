@@ -18,13 +18,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 from torch import Tensor, nn
 
 from pflbench.checkpoint import load_checkpoint, load_model, save_checkpoint, save_model
 from pflbench.data.batching import collate, dynamic_batches
 from pflbench.data.features import spec_augment as apply_spec_augment
 from pflbench.model.transformer import CTCTransformer, build_model, ctc_loss
+from pflbench.progress import make_progress
 from pflbench.spec.models import CentralRecipe, Recipe, SpecAugmentRecipe, Task
 from pflbench.spec.resolve import canonical_json
 
@@ -184,14 +185,15 @@ def train_step(
     return loss.item()
 
 
-def progress_bar(enabled: bool) -> Progress:
-    return Progress(
+def progress_bar(enabled: bool):
+    return make_progress(
+        "seed",
         TextColumn("[bold]seed[/]"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeRemainingColumn(),
         TextColumn("{task.fields[info]}"),
-        disable=not enabled,
+        enabled=enabled,
     )
 
 

@@ -3,7 +3,3 @@
 
 class UserError(Exception):
     """A bad input, spec, file or argument. The message names the file/key and what is wrong."""
-
-
-class NotBuiltError(UserError):
-    """A command whose implementation has not landed yet: it says so rather than faking output."""

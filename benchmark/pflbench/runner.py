@@ -40,6 +40,7 @@ from pflbench.fl.freeze import layer_scores, select_trained
 from pflbench.fl.sampling import keyed_seed, sampling_rate
 from pflbench.fl.simulator import Simulator
 from pflbench.metrics_log import MetricsLog
+from pflbench.progress import make_progress
 from pflbench.results.schema import safe_name
 from pflbench.spec.models import RunConfig
 from pflbench.spec.resolve import canonical_json, config_hash
@@ -259,7 +260,6 @@ def progress_bar(enabled: bool, total: int, completed: int) -> Iterator:
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
-        Progress,
         TextColumn,
         TimeElapsedColumn,
         TimeRemainingColumn,
@@ -274,7 +274,7 @@ def progress_bar(enabled: bool, total: int, completed: int) -> Iterator:
         TimeRemainingColumn(),
         TextColumn("{task.description}"),
     ]
-    with Progress(*columns, disable=not enabled, transient=False) as progress:
+    with make_progress("federated", *columns, enabled=enabled) as progress:
         task = progress.add_task("", total=total, completed=completed)
 
         def update(line: dict) -> None:
@@ -311,7 +311,7 @@ def run(
     check_privacy(config)
     set_cpu_threads()
     ctx = init_from_env(device)
-    device = f"cuda:{ctx.local_rank}" if device.startswith("cuda") else device
+    device = f"cuda:{ctx.local_rank}" if device == "cuda" else device  # cuda:N: one process
     run_dir = Path(out_dir) if out_dir is not None else default_run_dir(config)
     try:
         if ctx.is_main:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from pflbench.cli.common import JsonOption, console, print_json
+from pflbench.cli.common import DeviceOption, JsonOption, check_device, console, print_json
 
 
 def _print(title: str, figures: dict, as_json: bool) -> None:
@@ -55,7 +55,7 @@ def register(app: typer.Typer) -> None:
 
     @bench.command("model")
     def bench_model(
-        device: str = typer.Option("cpu", help="cpu or cuda"),
+        device: str = DeviceOption,
         preset: str = typer.Option(
             None, help="Model preset (default: synth-cpu on CPU, paper-255m on CUDA)."
         ),
@@ -64,7 +64,8 @@ def register(app: typer.Typer) -> None:
         """Training throughput (s of audio per s); on CUDA also MFU in bf16."""
         from pflbench.model.bench import bench_model
 
-        preset = preset or ("paper-255m" if device == "cuda" else "synth-cpu")
+        check_device(device)
+        preset = preset or ("paper-255m" if device.startswith("cuda") else "synth-cpu")
         _print(f"model {preset} on {device}", bench_model(device=device, preset=preset), as_json)
 
     @bench.command("fl")
@@ -72,7 +73,7 @@ def register(app: typer.Typer) -> None:
         preset: str = typer.Option(
             None, help="Model preset (default: synth-cpu on CPU, paper-255m on CUDA)."
         ),
-        device: str = typer.Option("cpu", help="cpu or cuda"),
+        device: str = DeviceOption,
         cohort: int = typer.Option(8, help="Cohort size of the measured central steps."),
         local_steps: int = typer.Option(10, help="Local steps per client."),
         parallel_clients: int = typer.Option(
@@ -89,7 +90,8 @@ def register(app: typer.Typer) -> None:
         peak memory at two cohort sizes, and extrapolated GPU-hours for the paper's run."""
         from pflbench.fl.bench import bench_fl
 
-        preset = preset or ("paper-255m" if device == "cuda" else "synth-cpu")
+        check_device(device)
+        preset = preset or ("paper-255m" if device.startswith("cuda") else "synth-cpu")
         figures = bench_fl(
             preset, device, cohort, local_steps, parallel_clients, dropout, layer_drop
         )

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any
 
 import typer
 from rich.console import Console
+
+from pflbench.errors import UserError
 
 # Pipes and CI logs get a fixed, wide layout instead of rich's 80-column fallback.
 _WIDTH = None if sys.stdout.isatty() else 140
@@ -22,6 +25,30 @@ SpecsOption = typer.Option(
     help="Extra folder(s) of task/baseline/budget YAMLs (also PFLBENCH_SPECS, ':'-separated).",
 )
 JsonOption = typer.Option(False, "--json", help="Machine-readable JSON output.")
+DeviceOption = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N.")
+
+
+def check_device(device: str, processes: int = 1) -> str:
+    """--device: cpu, cuda (the current GPU; under torchrun each process's own) or cuda:N (that
+    GPU, for one process only)."""
+    import torch
+
+    if device not in ("cpu", "cuda") and not re.fullmatch(r"cuda:\d+", device):
+        raise UserError(f"--device {device!r}: expected cpu, cuda or cuda:N")
+    if device == "cpu":
+        return device
+    if not torch.cuda.is_available():
+        raise UserError(f"--device {device}: no CUDA GPU is available to torch on this machine")
+    if ":" in device:
+        index, count = int(device.split(":")[1]), torch.cuda.device_count()
+        if index >= count:
+            raise UserError(f"--device {device}: torch sees {count} GPU(s), numbered from cuda:0")
+        if processes > 1:
+            raise UserError(
+                f"--device {device}: with {processes} processes each takes the GPU of its local "
+                "rank; give --device cuda"
+            )
+    return device
 
 
 def extra_spec_dirs(specs: list[Path] | None) -> list[Path]:

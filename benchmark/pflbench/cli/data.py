@@ -30,11 +30,10 @@ def synth(
     seed: int = typer.Option(0, "--seed"),
 ) -> None:
     """Write an LS-like and a CV-like synthetic corpus (espeak-ng) in the real on-disk formats."""
-    from rich.progress import Progress
-
     from pflbench.data.synth import SIZES, synthesize
     from pflbench.data.text import EXTRA_LETTERS
     from pflbench.errors import UserError
+    from pflbench.progress import make_progress
 
     if lang not in EXTRA_LETTERS:
         raise UserError(f"--lang: unsupported language {lang!r} (en, fr, de)")
@@ -42,7 +41,7 @@ def synth(
         raise UserError(f"--size: unknown size {size!r} ({', '.join(SIZES)})")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out: {out} is not empty")
-    with Progress(console=console) as progress:
+    with make_progress("synthesis") as progress:
         bar = progress.add_task(f"synthesizing {lang}-{size}", total=None)
         synthesize(out, lang, size, seed,
                    on_unit=lambda d, t: progress.update(bar, completed=d, total=t))  # fmt: skip

@@ -7,24 +7,21 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from pflbench.cli.common import JsonOption, SpecsOption, console, extra_spec_dirs, print_json
+from pflbench.cli.common import (
+    DeviceOption,
+    JsonOption,
+    SpecsOption,
+    check_device,
+    console,
+    extra_spec_dirs,
+    print_json,
+)
 from pflbench.errors import UserError
 
-DeviceOption = typer.Option("cpu", "--device", help="cpu or cuda.")
 DataRootOption = typer.Option(
     None, "--data-root", help="Folder holding the corpora (also PFLBENCH_DATA)."
 )
 CacheOption = typer.Option(None, "--cache-dir", help="Feature and seed-model cache.")
-
-
-def check_device(device: str) -> str:
-    import torch
-
-    if device not in ("cpu", "cuda") and not device.startswith("cuda:"):
-        raise UserError(f"--device {device!r}: expected cpu or cuda")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device}: no CUDA GPU is available to torch on this machine")
-    return device
 
 
 def results_table(title: str, results: dict[str, dict]) -> Table:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import typer
 
-from pflbench.cli.common import SpecsOption, console, extra_spec_dirs
+from pflbench.cli.common import DeviceOption, SpecsOption, check_device, console, extra_spec_dirs
 from pflbench.errors import UserError
 
 
@@ -30,6 +30,56 @@ def _torchrun_argv(nproc: int) -> list[str]:
     return [*launcher, f"--nproc_per_node={nproc}", "-m", "pflbench", *args]
 
 
+def _percent(result) -> str:
+    return (
+        "-"
+        if result is None
+        else f"{100 * result.wer:.1f} / "
+        + ("-" if result.cer is None else f"{100 * result.cer:.1f}")
+    )
+
+
+def _epsilons(scale) -> str:
+    def one(name: str, claim) -> str:
+        if claim is None:
+            return f"{name} ∞"
+        return f"{name} {claim.epsilon:.3g}" if claim.epsilon is not None else f"{name} n/a"
+
+    text = ", ".join(one(name, claim) for name, claim in sorted(scale.epsilon.items()))
+    return f"(K={scale.population:,}, S={scale.cohort:,}, T={scale.steps:,}): {text}"
+
+
+def run_summary(run_dir: Path) -> list[str]:
+    """A few lines a person reads at the end of `pflbench run`: WER/CER per eval set next to the
+    seed model's, ε at the simulated and the extrapolated scale, wall time, where things are."""
+    from pflbench.progress import hms
+    from pflbench.results.schema import load_record
+
+    record, _ = load_record(run_dir / "record.json")
+    seed = record.metrics.seed_model or {}
+    width = max(len(name) for name in record.metrics.final)
+    lines = [f"{'eval set':<{width}}  WER / CER % (seed model's)"]
+    for name, result in sorted(record.metrics.final.items()):
+        lines.append(f"{name:<{width}}  {_percent(result)}  ({_percent(seed.get(name))})")
+    privacy = record.privacy
+    deltas = {
+        c.delta
+        for s in (privacy.simulated, privacy.extrapolated) if s is not None
+        for c in s.epsilon.values() if c is not None and c.delta is not None
+    }  # fmt: skip
+    delta = f" (δ = {', '.join(f'{d:g}' for d in sorted(deltas))})" if deltas else ""
+    if not privacy.dp:
+        lines.append("ε: ∞ (no DP budget: no noise is added)")
+    for label, scale in (("simulated", privacy.simulated), ("extrapolated", privacy.extrapolated)):
+        if privacy.dp and scale is not None:
+            lines.append(f"ε{delta} at the {label} scale {_epsilons(scale)}")
+    wall = record.compute.wall_seconds
+    if wall is not None:
+        lines.append(f"wall time: {hms(wall)}" if wall >= 60 else f"wall time: {wall:.1f} s")
+    lines += [f"run directory: {run_dir}", f"result record: {run_dir / 'record.json'}"]
+    return lines
+
+
 def register(app: typer.Typer) -> None:
     @app.command("run")
     def run_cmd(
@@ -45,7 +95,7 @@ def register(app: typer.Typer) -> None:
         sets: list[str] = typer.Option(
             None, "--set", help="Recipe override key.path=value (repeatable)."
         ),
-        device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+        device: str = DeviceOption,
         out: Path = typer.Option(
             None,
             "--out",
@@ -77,10 +127,7 @@ def register(app: typer.Typer) -> None:
         from pflbench.spec.registry import load_registry
         from pflbench.spec.resolve import default_budget, resolve
 
-        if device not in ("cpu", "cuda"):
-            raise UserError(f"--device {device!r}: choose cpu or cuda")
-        if device == "cuda" and not __import__("torch").cuda.is_available():
-            raise UserError("--device cuda: no CUDA device is available to this torch build")
+        check_device(device, processes=max(nproc, int(os.environ.get("WORLD_SIZE", "1"))))
         if out is not None and resume is not None and out != resume:
             raise UserError("give either --out or --resume (the run directory to continue)")
         registry = load_registry(extra_spec_dirs(specs))
@@ -101,5 +148,5 @@ def register(app: typer.Typer) -> None:
             parallel_clients=parallel_clients,
         )
         if int(os.environ.get("RANK", "0")) == 0:
-            console.print(f"run directory: {run_dir}")
-            console.print(f"result record: {run_dir / 'record.json'}")
+            for line in run_summary(run_dir):
+                console.print(line, highlight=False, markup=False)

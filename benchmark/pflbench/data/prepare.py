@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -185,7 +186,7 @@ def prepare_task(
     """Builds (or reuses) the feature store of every split the task uses."""
     cache_dir = Path(cache_dir or cache_dir_default())
     bars = _progress() if progress else None
-    with bars or _nothing():
+    with bars or nullcontext():
         on_unit = None
         if (
             bars is not None
@@ -235,20 +236,14 @@ def prepare_eval(ev: EvalSet, root: Path, language: str, cache_dir: Path, bars) 
 
 
 def _progress():
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+    from rich.progress import BarColumn, MofNCompleteColumn, TimeElapsedColumn
 
-    return Progress(
-        "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), transient=False,
+    from pflbench.progress import make_progress
+
+    return make_progress(
+        "data", "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(),
     )  # fmt: skip
-
-
-class _nothing:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc) -> None:
-        return None
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,10 +124,23 @@ def write_shard(
     return skips
 
 
+@contextmanager
+def torch_threads(n: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `n` inside the block and restored after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _write_shard_job(args: tuple[Path, list[Entry], str, AudioReader]) -> int:
-    torch.set_num_threads(1)
+    # One thread per shard (workers build shards side by side; the features must not depend on
+    # how many shards were left to build), restored after: it may run in the caller's process.
     path, entries, language, read_audio = args
-    write_shard(path, entries, language, read_audio)
+    with torch_threads(1):
+        write_shard(path, entries, language, read_audio)
     return len(entries)
 
 

@@ -3,7 +3,7 @@
     cohort  = sample_cohort(K, S, seed, t)                 # Poisson q = S/K, or fixed S
     mine    = assign_users(cohort, world)[rank]            # balanced by expected local work
     for user in mine:                                      # data prefetched in the background
-        Δ = client.train(θ, data(user), t, user)           # θ − θ_local after local SGD
+        Δ = local_sgd(θ, data(user), t, user)              # θ − θ_local (fl.local_update)
                                                            # (or G users at once: fl.parallel)
         agg.add(Δ)                                         # zero-if-NaN, clip, (noise), exact sum
     g = agg.finish()                                       # all-reduce, /qK, + N(0, (Cσ_DP)²)
@@ -25,7 +25,7 @@ import torch
 from pflbench.data.batching import chunks
 from pflbench.data.store import FeatureStore
 from pflbench.fl.aggregate import StepAggregator
-from pflbench.fl.client import ClientTrainer
+from pflbench.fl.client import ClientTrainer, SequentialClientTrainer
 from pflbench.fl.distributed import DistContext, assign_users
 from pflbench.fl.parallel import ParallelClientTrainer
 from pflbench.fl.sampling import expected_cohort, sample_cohort
@@ -89,8 +89,8 @@ class Simulator:
         if parallel_clients < 1:
             raise ValueError(f"parallel_clients must be at least 1, got {parallel_clients}")
         client_args = (model, self.names, fed.client, recipe.spec_augment, seed, device)
-        self.client = (
-            ClientTrainer(*client_args)
+        self.client: ClientTrainer = (
+            SequentialClientTrainer(*client_args)
             if parallel_clients == 1
             else ParallelClientTrainer(*client_args, group_size=parallel_clients)
         )

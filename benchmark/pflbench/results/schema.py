@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
 import re
 from datetime import datetime
 from pathlib import Path
@@ -109,7 +108,7 @@ class ScaleClaim(Open):
 
 
 class PrivacyClaim(Open):
-    """What pflbench.privacy.statement.privacy_statement returns (see notes/record.md)."""
+    """What pflbench.privacy.statement.privacy_statement returns (docs/RESULTS.md describes it)."""
 
     dp: bool
     mechanism: str | None = None
@@ -284,10 +283,6 @@ def load_record(path: Path) -> tuple[ResultRecord, dict]:
     """(validated record, the raw dict it came from) from a JSON file."""
     data = read_json_file(path)
     return parse_record(data, str(path)), data
-
-
-def finite_or_none(value: float | None) -> float | None:
-    return value if value is not None and math.isfinite(value) else None
 
 
 def schema_json() -> str:

@@ -306,12 +306,6 @@ class Budget(Strict):
 # The resolved run
 
 
-class SpecRef(Strict):
-    name: str
-    version: int | None = None
-    file_sha256: str = Field(description="sha256 of the spec file's bytes as loaded.")
-
-
 class RunConfig(Strict):
     """Task recipe ⊕ baseline overrides ⊕ --set overrides ⊕ seed: everything a run depends on."""
 

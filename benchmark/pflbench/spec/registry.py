@@ -1,8 +1,8 @@
 """Finding and loading specs: built-in tasks/, baselines/ and tasks/budgets.yaml, plus user folders.
 
 A user folder has the same layout as the built-in one (`DIR/tasks/*.yaml`, `DIR/baselines/*.yaml`,
-`DIR/tasks/budgets.yaml`); its specs appear next to the built-in ones and a name clash is an error
-naming both files.
+`DIR/tasks/budgets.yaml`, the templates task files include in `DIR/tasks/templates/`); its specs
+appear next to the built-in ones and a name clash is an error naming both files.
 """
 
 from __future__ import annotations
@@ -135,17 +135,50 @@ def _add(table: dict[str, Loaded], loaded: Loaded, kind: str) -> None:
     table[name] = loaded
 
 
+def read_task_yaml(path: Path) -> tuple[Any, str]:
+    """A task file with its `include:` templates merged in, and the sha256 of all those bytes.
+
+    `include: [templates/x.yaml, ...]` names files relative to the task file; they are
+    deep-merged in order (later wins), then the task file's own keys over them (lists, such as
+    eval_sets, are replaced whole). Templates cannot include further templates."""
+    from pflbench.spec.resolve import deep_merge
+
+    data, raw = read_yaml(path)
+    digest = hashlib.sha256(raw)
+    if not isinstance(data, dict) or "include" not in data:
+        return data, digest.hexdigest()
+    names = data.pop("include")
+    if isinstance(names, str):
+        names = [names]
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise UserError(f"{path}: include: expected a list of template file paths")
+    merged: dict = {}
+    for name in names:
+        template = path.parent / name
+        if not template.is_file():
+            raise UserError(f"{path}: include: template {template} does not exist")
+        part, part_raw = read_yaml(template)
+        if not isinstance(part, dict):
+            raise UserError(f"{template}: a template must be a mapping of task keys")
+        if "include" in part:
+            raise UserError(f"{template}: templates cannot include other templates")
+        digest.update(part_raw)
+        merged = deep_merge(merged, part)
+    return deep_merge(merged, data), digest.hexdigest()
+
+
 def _load_dir(reg: Registry, tasks_dir: Path, baselines_dir: Path) -> None:
     for path in sorted(tasks_dir.glob("*.yaml")) if tasks_dir.is_dir() else []:
-        data, raw = read_yaml(path)
-        digest = hashlib.sha256(raw).hexdigest()
         if path.name == BUDGETS_FILE:
+            data, raw = read_yaml(path)
+            digest = hashlib.sha256(raw).hexdigest()
             if not isinstance(data, dict) or not isinstance(data.get("budgets"), list):
                 raise UserError(f"{path}: expected a top-level key 'budgets' holding a list")
             for i, item in enumerate(data["budgets"]):
                 spec = validate(Budget, item, f"{path}: budgets[{i}]")
                 _add(reg.budgets, Loaded(spec, path, digest), "budget")
             continue
+        data, digest = read_task_yaml(path)
         _add(reg.tasks, Loaded(validate(Task, data, str(path)), path, digest), "task")
     for path in sorted(baselines_dir.glob("*.yaml")) if baselines_dir.is_dir() else []:
         data, raw = read_yaml(path)
