@@ -18,8 +18,15 @@ from pflbench.fl.client import (
 from pflbench.fl.local_update import LocalUpdate
 from pflbench.fl.sampling import expected_cohort, sample_cohort
 from pflbench.model.transformer import build_model
+from pflbench.privacy.adaptive import combined_noise, update_noise
 from pflbench.privacy.noise import add_gaussian_noise, client_noise_std, noise_generator
-from pflbench.spec.models import ClientRecipe, PrivacyRecipe, Recipe, SpecAugmentRecipe
+from pflbench.spec.models import (
+    AdaptiveClip,
+    ClientRecipe,
+    PrivacyRecipe,
+    Recipe,
+    SpecAugmentRecipe,
+)
 
 STORE = RandomUserStore(num_users=3, utterances_per_user=6)
 
@@ -301,3 +308,36 @@ def test_noise_std_on_the_average_is_c_sigma(placement):
         again.add({"w": torch.zeros(20_000)}, user, 0.0, 1, 1)
     assert torch.equal(again.finish()[0][0], grads[0])
     assert math.isfinite(stats["diagnostics"]["update_norm_after_noise"])
+
+
+def test_adaptive_clipping_noise_and_bits_spend_exactly_the_budgets_sigma():
+    # Zero updates again: the average is the update noise alone, with std C_t·σ_Δ at the step's
+    # bound C_t, and the released fraction is (all users within C_t)/qK plus N(0, f²).
+    adaptive = AdaptiveClip(target_quantile=0.5, lr=0.2, bit_noise=0.02)
+    privacy = PrivacyRecipe(clipping="global", clip_bound=C, adaptive_clip=adaptive)
+    sigma = 0.03  # large enough that the bits' share shows: σ_Δ = 1.58·σ
+    update_sigma = update_noise(sigma, adaptive.bit_noise)
+    bound = 3 * C  # a bound the adaptation has moved to
+    noise, fractions = [], []
+    for step in range(STEPS):
+        like = {"w": torch.zeros(WIDTH)}
+        agg = StepAggregator(like, privacy, sigma, S, update_bound=10.0, seed=5, step=step,
+                             device="cpu", clip_bound=bound)  # fmt: skip
+        for user in range(S):
+            agg.add({"w": torch.zeros(WIDTH)}, f"u{user}", 0, 1, 1)
+        grads, stats = agg.finish()
+        assert stats["clip_bound"] == bound
+        noise.append(torch.cat(grads).double())
+        fractions.append(stats["unclipped_fraction"])
+    assert float(torch.cat(noise).std()) / (bound * update_sigma) == pytest.approx(1, abs=0.05)
+    released = torch.tensor(fractions, dtype=torch.float64)
+    assert float(released.mean()) == pytest.approx(1.0, abs=3 * adaptive.bit_noise / STEPS**0.5)
+    assert float(released.std()) == pytest.approx(adaptive.bit_noise, rel=0.35)
+    assert combined_noise(update_sigma, adaptive.bit_noise) == pytest.approx(sigma)
+
+
+def test_adaptive_clipping_needs_clipping_on_the_server():
+    with pytest.raises(ValidationError, match="adaptive_clip needs clipping"):
+        PrivacyRecipe(clipping="none", adaptive_clip={})
+    with pytest.raises(ValidationError, match="adaptive_clip needs noise_placement: server"):
+        PrivacyRecipe(noise_placement="client", adaptive_clip={})

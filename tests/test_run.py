@@ -2,6 +2,7 @@
 kill-and-resume ends in the same model, a NaN client is zeroed and counted, bad input fails fast."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -385,3 +386,19 @@ def test_per_utterance_errors_and_speaker_counts_feed_pflbench_compare(env, tmp_
     refused = CliRunner().invoke(app, ["compare", str(central), str(tmp_path / "nothing")])
     assert isinstance(refused.exception, UserError)
     assert "neither a finished run directory" in str(refused.exception)
+
+
+def test_adaptive_clipping_moves_the_bound_by_the_released_fraction(env, tmp_path):
+    config = _config(env, "adaptive-global", "eps7.2-high-pop")
+    run_dir = run(config, out_dir=tmp_path / "run", progress=False)
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "loss" in x]
+    adaptive = config.recipe.privacy.adaptive_clip
+    bound = config.recipe.privacy.clip_bound
+    for line in steps:  # C_{t+1} = C_t·exp(−η(b̄_t − γ)), from C_0 = the recipe's bound
+        assert line["clip_bound"] == pytest.approx(bound, rel=1e-12)
+        bound *= math.exp(-adaptive.lr * (line["unclipped_fraction"] - adaptive.target_quantile))
+    assert len({x["clip_bound"] for x in steps}) == len(steps)  # it moved every step
+    record, _ = load_record(run_dir / "record.json")
+    claim = record.privacy.model_dump()["adaptive_clipping"]
+    assert claim["update_sigma"] > record.privacy.sigma_dp and claim["bit_noise_applied"] == 0.05

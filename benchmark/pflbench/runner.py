@@ -178,7 +178,7 @@ def privacy_claim(config: RunConfig, sigma_dp: float, population: int) -> dict:
     if config.recipe.training != "federated":
         return {"dp": False, "how": NO_FL_PRIVACY[config.recipe.training]}
     fed = config.recipe.federated
-    return privacy_statement(
+    statement = privacy_statement(
         sigma_dp=sigma_dp,
         clip_bound=config.recipe.privacy.clip_bound,
         cohort=min(fed.cohort_size, population),
@@ -189,6 +189,12 @@ def privacy_claim(config: RunConfig, sigma_dp: float, population: int) -> dict:
         budget=config.budget if config.budget.dp else None,
         pseudo_users=config.task.federated_data.iid,
     )
+    adaptive = config.recipe.privacy.adaptive_clip
+    if adaptive is not None:
+        from pflbench.privacy.adaptive import adaptive_statement
+
+        statement["adaptive_clipping"] = adaptive_statement(sigma_dp, adaptive)
+    return statement
 
 
 # ----------------------------------------------------------------------------------------------
@@ -470,6 +476,7 @@ def _run(config, run_dir, ctx, device, options: RunOptions, started: float):
                     "nonfinite_updates": stats["nonfinite_updates"],
                     "local_steps": stats["local_steps"],
                     "diagnostics": stats["diagnostics"],
+                    **{k: stats[k] for k in ("clip_bound", "unclipped_fraction") if k in stats},
                 }
                 new = [line]
                 is_eval = sim.step % fed.eval_every == 0 and sim.step < fed.central_steps

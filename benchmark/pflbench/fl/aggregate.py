@@ -3,7 +3,9 @@
 Per client: zero a non-finite update (counted), clip it (none / global / per-layer), add
 client-side noise if that placement is chosen, and add it to an exact fixed-point sum. At the end
 of the step the sums are all-reduced across processes, divided by the expected cohort qK (Poisson)
-or S (fixed), and server-side noise N(0, (C·σ_DP)²) is added once. Client-side noise (std
+or S (fixed), and server-side noise N(0, (C·σ_DP)²) is added once. With adaptive clipping C is
+the step's bound C_t, the update noise is C_t·σ_Δ, and the noised fraction of users within C_t
+is released for the next bound (privacy/adaptive.py). Client-side noise (std
 C·σ_DP·√S per user) gives the average std C·σ_DP only when exactly S users took part, so it needs
 fixed-size cohorts: the recipe refuses it with Poisson sampling, and `finish` refuses a step
 whose client count differs from the denominator. Memory is one sum buffer of the model's size,
@@ -17,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from pflbench.fl.distributed import all_reduce_sum
+from pflbench.privacy.adaptive import noisy_unclipped_fraction, update_noise
 from pflbench.privacy.aggregate import ExactSum
 from pflbench.privacy.clipping import clip_update, zero_if_nonfinite
 from pflbench.privacy.noise import (
@@ -28,6 +31,7 @@ from pflbench.privacy.noise import (
 from pflbench.spec.models import PrivacyRecipe
 
 NOISE_HEADROOM = 40.0  # client-side noise is bounded by C + 40 std in the fixed-point sum
+HEAD = 7  # per-step counters ahead of the per-layer norm sums in the stats tensor
 
 
 class StepAggregator:
@@ -43,19 +47,23 @@ class StepAggregator:
         seed: int,
         step: int,
         device: str,
+        clip_bound: float | None = None,
     ):
+        """`clip_bound`: this step's bound C_t under adaptive clipping (else the recipe's C)."""
         self.names = list(like)
         self.privacy, self.sigma_dp, self.denominator = privacy, sigma_dp, denominator
         self.seed, self.step, self.device = seed, step, device
+        self.bound = privacy.clip_bound if clip_bound is None else clip_bound
         clipped = privacy.clipping != "none"
-        self.clip_bound = privacy.clip_bound if clipped else update_bound
+        self.max_norm = self.bound if clipped else update_bound
         self.client_std = 0.0
         if sigma_dp > 0 and privacy.noise_placement == "client":
-            self.client_std = client_noise_std(privacy.clip_bound, sigma_dp, denominator)
-        self.sum = ExactSum(like, max_abs=self.clip_bound + NOISE_HEADROOM * self.client_std)
+            self.client_std = client_noise_std(self.bound, sigma_dp, denominator)
+        self.sum = ExactSum(like, max_abs=self.max_norm + NOISE_HEADROOM * self.client_std)
         num_layers = len(self.names)
-        # clients, non-finite, clipped, loss sum, local steps, frames, then Σ‖Δ_h‖ and Σ‖Δ_h‖².
-        self.stats = torch.zeros(6 + 2 * num_layers, dtype=torch.float64)
+        # clients, non-finite, clipped, loss sum, local steps, frames, within the bound, then
+        # Σ‖Δ_h‖ and Σ‖Δ_h‖².
+        self.stats = torch.zeros(HEAD + 2 * num_layers, dtype=torch.float64)
 
     def add(
         self, update: dict[str, torch.Tensor], user: str, loss: float, steps: int, frames: int
@@ -65,7 +73,7 @@ class StepAggregator:
         clipped = clip_update(
             update,
             self.privacy.clipping,
-            self.privacy.clip_bound,
+            self.bound,
             perlayer_mode=self.privacy.perlayer_mode,
             in_place=True,
             perlayer_rule=self.privacy.perlayer_rule,
@@ -76,7 +84,8 @@ class StepAggregator:
         self.sum.add(clipped.update)
         norms = clipped.norms.double().cpu()
         loss = 0.0 if nonfinite else loss
-        head = [1.0, float(nonfinite), float(clipped.changed), loss, steps, frames]
+        within = float(torch.linalg.vector_norm(norms)) <= self.bound  # the adaptive bit
+        head = [1.0, float(nonfinite), float(clipped.changed), loss, steps, frames, float(within)]
         self.stats += torch.cat([torch.tensor(head, dtype=torch.float64), norms, norms**2])
 
     def finish(self) -> tuple[list[torch.Tensor], dict]:
@@ -93,18 +102,32 @@ class StepAggregator:
         grads = [averaged[n].div_(self.denominator) for n in self.names]
         # With client-side noise the noiseless average never exists anywhere.
         norm_before = None if self.client_std else _global_norm(grads)
+        adaptive = self.privacy.adaptive_clip
+        bit_noise = adaptive.bit_noise if adaptive is not None and self.sigma_dp > 0 else 0.0
         if self.sigma_dp > 0 and self.privacy.noise_placement == "server":
-            std = server_noise_std(self.privacy.clip_bound, self.sigma_dp)
+            sigma = update_noise(self.sigma_dp, bit_noise) if bit_noise else self.sigma_dp
             generator = noise_generator(self.seed, self.step, device=self.device)
-            add_gaussian_noise(dict(zip(self.names, grads, strict=True)), std, generator)
-        return grads, self._report(norm_before, _global_norm(grads))
+            add_gaussian_noise(
+                dict(zip(self.names, grads, strict=True)),
+                server_noise_std(self.bound, sigma),
+                generator,
+            )
+        report = self._report(norm_before, _global_norm(grads))
+        if adaptive is not None:
+            generator = noise_generator(self.seed, self.step, user="adaptive-clip")
+            within = float(self.stats[6])
+            report["clip_bound"] = self.bound
+            report["unclipped_fraction"] = noisy_unclipped_fraction(
+                within, self.denominator, bit_noise, generator
+            )  # DP-released: the next bound is computed from it
+        return grads, report
 
     def _report(self, norm_before: float | None, norm_after: float) -> dict:
-        clients, nonfinite, clipped, loss_sum, steps, frames = self.stats[:6].tolist()
+        clients, nonfinite, clipped, loss_sum, steps, frames, _ = self.stats[:HEAD].tolist()
         h = len(self.names)
         n = max(clients, 1.0)
-        mean = self.stats[6 : 6 + h] / n
-        std = (self.stats[6 + h :] / n - mean**2).clamp_min(0).sqrt()
+        mean = self.stats[HEAD : HEAD + h] / n
+        std = (self.stats[HEAD + h :] / n - mean**2).clamp_min(0).sqrt()
         finite = clients - nonfinite
         return {
             "clients": int(clients),

@@ -30,6 +30,7 @@ from pflbench.fl.distributed import DistContext, assign_users
 from pflbench.fl.parallel import ParallelClientTrainer
 from pflbench.fl.sampling import expected_cohort, sample_cohort
 from pflbench.fl.server import ServerOptimizer, learning_rate
+from pflbench.privacy.adaptive import next_clip_bound
 from pflbench.spec.models import ClientRecipe, Recipe
 
 PREFETCH_DEPTH = 2  # users whose data loads while the current one trains
@@ -107,6 +108,7 @@ class Simulator:
             if fed.sampling == "poisson"
             else min(fed.cohort_size, len(self.users))
         )
+        self.clip_bound = recipe.privacy.clip_bound  # C_t: moves under adaptive clipping
         self.step = 0
 
     def my_users(self, step: int) -> list[str]:
@@ -129,6 +131,7 @@ class Simulator:
             self.seed,
             step,
             self.device,
+            self.clip_bound,
         )
         users = prefetched(self.store.load_user, self.my_users(step))
         for group in chunks(users, self.client.group_size):
@@ -138,6 +141,11 @@ class Simulator:
         fed = self.recipe.federated
         lr = learning_rate(step, fed.server.lr, fed.server.decay)
         self.server.step(grads, lr)
+        adaptive = self.recipe.privacy.adaptive_clip
+        if adaptive is not None:
+            self.clip_bound = next_clip_bound(
+                self.clip_bound, stats["unclipped_fraction"], adaptive.target_quantile, adaptive.lr
+            )
         self.step += 1
         return {"step": step, "lr": lr, **stats}
 
@@ -145,6 +153,7 @@ class Simulator:
         tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
         tensors.update({f"server.{k}": v for k, v in self.server.state_dict().items()})
         tensors["step"] = torch.tensor(self.step, dtype=torch.int64)
+        tensors["clip_bound"] = torch.tensor(self.clip_bound, dtype=torch.float64)
         return tensors
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -155,5 +164,7 @@ class Simulator:
             {k.removeprefix("server."): v for k, v in tensors.items() if k.startswith("server.")}
         )
         self.step = int(tensors["step"])
+        if "clip_bound" in tensors:  # checkpoints before adaptive clipping: the recipe's bound
+            self.clip_bound = float(tensors["clip_bound"])
         # Frozen tensors live in the client's copy too; keep it in sync with the global model.
         self.client.load_frozen(self.model)

@@ -164,6 +164,17 @@ class FederatedRecipe(Strict):
     eval_every: int = Field(100, ge=1)
 
 
+class AdaptiveClip(Strict):
+    """Andrew et al. 2021: the clip bound follows the target quantile of the users' update norms
+    (privacy/adaptive.py); its bits take a share of the budget's σ_DP, none of its ε."""
+
+    target_quantile: float = Field(0.5, gt=0, lt=1, description="γ: fraction of users unclipped.")
+    lr: float = Field(0.2, gt=0, description="η: geometric step of the bound per central step.")
+    bit_noise: float = Field(
+        0.05, gt=0, description="Std of the noise on the unclipped fraction (theirs: 1/20)."
+    )
+
+
 class PrivacyRecipe(Strict):
     """How client updates are clipped and where the noise is added. The accountant is the
     budget's (Budget.accountant): one choice for calibration, the record's claim and submit."""
@@ -181,6 +192,17 @@ class PrivacyRecipe(Strict):
         "server",
         description="'client' (each user adds N(0, C²σ²qK)) needs federated.sampling: fixed.",
     )
+    adaptive_clip: AdaptiveClip | None = Field(
+        None, description="Adapt the (total) bound, from clip_bound, to a quantile of the norms."
+    )
+
+    @model_validator(mode="after")
+    def _adaptive_needs_clipping_on_the_server(self) -> PrivacyRecipe:
+        if self.adaptive_clip is not None and self.clipping == "none":
+            raise ValueError("adaptive_clip needs clipping (global or perlayer)")
+        if self.adaptive_clip is not None and self.noise_placement != "server":
+            raise ValueError("adaptive_clip needs noise_placement: server")
+        return self
 
 
 class Recipe(Strict):
