@@ -174,6 +174,17 @@ def test_sweep_plan_and_skip_finished(tmp_path):
     assert len(report.skipped) == 4 and not report.finished and not report.failed
 
 
+
+def test_a_run_begun_by_a_killed_sweep_is_resumed(tmp_path):
+    (run,) = plan_sweep("fx-task", ["fedavg"], ["fx-nodp"], [0], [], tmp_path)
+    assert run.command()[-2:] == ["--out", str(run.run_dir)]
+    run.run_dir.mkdir(parents=True)
+    (run.run_dir / "config.json").write_text("{}")  # what `pflbench run` writes first
+    assert run.started and run.command()[-2:] == ["--resume", str(run.run_dir)]
+    (run.run_dir / "DONE").write_text("")
+    assert run.done and not run.started
+
+
 def test_sweep_reports_a_failing_run(tmp_path):
     # The real `pflbench run` fails fast without the real corpora; the sweep reports it.
     plan = plan_sweep(

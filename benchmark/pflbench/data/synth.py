@@ -36,8 +36,6 @@ import lameenc
 import numpy as np
 import soundfile as sf
 import soxr
-from scipy.signal import butter, lfilter, sosfilt
-from wordfreq import top_n_list
 
 from pflbench.data.espeak import Espeak
 from pflbench.data.text import letters
@@ -93,6 +91,10 @@ SIZES = {
 
 def vocabulary(language: str, n: int) -> list[str]:
     """The n most frequent wordfreq words made only of the language's letters (and ')."""
+    from wordfreq import (
+        top_n_list,
+    )  # imported here: slow to import, and runs on a cache need neither
+
     alphabet = set(letters(language) + "'")
     words = [
         w
@@ -167,6 +169,8 @@ def speak(text: str, voice: Voice, rng: np.random.Generator, sr_out: int) -> np.
     gain, then soxr resampling."""
     tts = Espeak.instance()
     seed = int(rng.integers(2**31))
+    from scipy.signal import butter, lfilter, sosfilt  # slow to import: synthesis only
+
     wave = tts.synth(
         text, voice.name, voice.rate, voice.pitch, voice.range_, wordgap=voice.word_gap, seed=seed
     )

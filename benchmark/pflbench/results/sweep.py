@@ -2,7 +2,8 @@
 
 Each run is `python -m pflbench run ... --out RUN_DIR` in a subprocess (a crash in one run cannot
 take the sweep down), its output kept in RUN_DIR/sweep.log. A run folder with a DONE marker is
-finished and skipped on a rerun. A grid is given on the command line or as a sweep file
+finished and skipped on a rerun; one begun by a killed sweep is resumed (`--resume`). A grid is
+given on the command line or as a sweep file
 (`sweeps/*.yaml`: a task and groups of baselines × budgets × seeds, each with its own --set), and
 `jobs` runs share the machine's CPUs, each with an equal share of intra-op threads.
 """
@@ -39,12 +40,18 @@ class PlannedRun:
     def done(self) -> bool:
         return (self.run_dir / "DONE").is_file()
 
+    @property
+    def started(self) -> bool:
+        """Begun by an earlier sweep and not finished: the run continues from its checkpoint."""
+        return (self.run_dir / "config.json").is_file() and not self.done
+
     def command(self) -> list[str]:
         cmd = [sys.executable, "-m", "pflbench", "run", "--task", self.task]
         cmd += ["--baseline", self.baseline, "--budget", self.budget, "--seed", str(self.seed)]
         for item in self.sets:
             cmd += ["--set", item]
-        return cmd + ["--out", str(self.run_dir), *self.run_args]
+        where = "--resume" if self.started else "--out"
+        return cmd + [where, str(self.run_dir), *self.run_args]
 
 
 @dataclass
