@@ -81,6 +81,8 @@ def test_each_baseline_writes_a_valid_record(env, tmp_path, baseline):
     assert record.diagnostics.private is False
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == [0, 1, 2]
+    # the realized cohort of every step (Poisson: it varies around the expected cohort)
+    assert record.compute.cohort_per_step == [x["clients"] for x in lines if "loss" in x]
     assert all(x["diagnostics"]["private"] is False for x in lines if "loss" in x)
     epsilons = [x["epsilon_rdp"] for x in lines if "loss" in x]
     if budget != "none":

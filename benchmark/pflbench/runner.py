@@ -643,6 +643,7 @@ def compute_info(
         "parallel_clients": parallel_clients,
         "gpu_hours": wall * ctx.world_size / 3600 if cuda else 0.0,
         "central_steps": len(steps),
+        "cohort_per_step": [x["clients"] for x in steps],
         "cfmq": {
             "rounds": rounds,
             "clients_per_round": clients / max(rounds, 1),

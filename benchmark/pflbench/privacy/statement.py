@@ -206,7 +206,11 @@ def how_sentence(
         )
     if sampling == "fixed":
         text += (
-            " The run sampled fixed-size cohorts (the paper's practice); the accountants assume"
-            " Poisson sampling."
+            " The run sampled fixed-size cohorts (the paper's practice), but the accountants"
+            " analyse Poisson sampling: the epsilons above rely on the assumption that a"
+            " fixed-size cohort of S users drawn without replacement is as private as Poisson"
+            " sampling at q = S/K, which is not proven for this mechanism (the exact epsilon of"
+            " fixed-size sampling can be larger). Poisson sampling (sampling: poisson) is what"
+            " the stated epsilon covers exactly."
         )
     return text

@@ -152,6 +152,9 @@ class Compute(Strict):
     parallel_clients: int | None = None  # clients trained at once per process (fl.parallel)
     gpu_hours: float | None = None
     central_steps: int | None = None
+    cohort_per_step: list[int] | None = Field(
+        None, description="Users that took part in each central step (realized, not expected)."
+    )
     cfmq: Cfmq | None = None
 
 
