@@ -126,6 +126,9 @@ def clip_bound(record: ResultRecord) -> float | None:
 
 
 def cohort_size(record: ResultRecord) -> float | None:
+    """None for rows without federated training (seed-only, central)."""
+    if _recipe(record).get("training", "federated") != "federated":
+        return None
     federated = _recipe(record).get("federated")
     if federated is not None:
         return federated.get("cohort_size")
