@@ -192,6 +192,13 @@ class PrivacyRecipe(Strict):
         "server",
         description="'client' (each user adds N(0, C²σ²qK)) needs federated.sampling: fixed.",
     )
+    audit_canaries: int = Field(
+        0,
+        ge=0,
+        description="Canary users inserted for an empirical privacy audit (privacy/audit.py):"
+        " as many more are held out. 0: no audit. An audited model carries canaries, so its"
+        " WER is not ranked.",
+    )
     adaptive_clip: AdaptiveClip | None = Field(
         None, description="Adapt the (total) bound, from clip_bound, to a quantile of the norms."
     )
