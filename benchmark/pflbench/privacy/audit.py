@@ -85,15 +85,15 @@ def canary_update(
     CPU, so the same on every device), scaled to L2 norm `clip_bound` — with `perlayer`, each
     tensor to its own bound C_h, so it is clipped exactly like any user."""
     generator = keyed_generator(seed, "audit-canary", index)
-    parts = [torch.randn(t.shape, generator=generator, dtype=torch.float64) for t in like.values()]
-    norms = torch.stack([p.norm() for p in parts])
+    parts = [torch.randn(t.shape, generator=generator) for t in like.values()]
+    norms = torch.stack([p.norm(dtype=torch.float64) for p in parts])
     if perlayer:
         bounds = layer_bounds([p.numel() for p in parts], clip_bound, perlayer_mode).double()
         scales = bounds / norms
     else:
         scales = torch.full_like(norms, clip_bound / float(norms.norm()))
     return {
-        name: (p * s).to(dtype=t.dtype, device=t.device)
+        name: p.mul_(s).to(dtype=t.dtype, device=t.device)
         for (name, t), p, s in zip(like.items(), parts, scales.tolist(), strict=True)
     }
 
