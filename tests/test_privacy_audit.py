@@ -8,8 +8,11 @@ import pytest
 import torch
 import yaml
 from scipy import stats
+from test_results_plots import assert_image
+from typer.testing import CliRunner
 
 import pflbench.fl.aggregate as aggregate
+from pflbench.cli import app
 from pflbench.errors import UserError
 from pflbench.fl.aggregate import StepAggregator
 from pflbench.fl.distributed import DistContext
@@ -27,6 +30,8 @@ from pflbench.privacy.audit import (
 )
 from pflbench.privacy.clipping import clip_update, layer_bounds
 from pflbench.privacy.statement import epsilons_at_scale
+from pflbench.results.leaderboard import render_leaderboard
+from pflbench.results.plots import plot_results
 from pflbench.results.schema import load_record
 from pflbench.runner import run
 from pflbench.spec.models import Recipe
@@ -304,10 +309,14 @@ def test_an_audited_run_without_noise_records_a_very_large_epsilon(audited_run, 
     assert record.privacy.simulated.population == audit_specs[1]
     assert set(record.metrics.final) == {"cv-dev", "cv-test", "ls-dev-clean"}
     assert record.config["recipe"]["privacy"]["audit_canaries"] == RUN_CANARIES
+    # Not ranked: the leaderboard lists it under "privacy audit" only.
+    text = render_leaderboard([record])
+    assert "### privacy audit" in text and "### budget" not in text
+    assert f"| perlayer-dim | none | {RUN_CANARIES} + {RUN_CANARIES} | ∞ |" in text
 
 
 def test_an_audited_run_stays_below_its_accountant_unless_the_noise_is_broken(
-    audited_run, monkeypatch
+    audited_run, monkeypatch, tmp_path
 ):
     record = audited_run("audit-eps8")
     audit = record.privacy.audit
@@ -317,5 +326,16 @@ def test_an_audited_run_stays_below_its_accountant_unless_the_noise_is_broken(
     # Test-only fault injection: 1/100 of the server noise the accountant assumes.
     true_std = aggregate.server_noise_std
     monkeypatch.setattr(aggregate, "server_noise_std", lambda c, s: true_std(c, s) / 100)
-    broken = audited_run("audit-eps8").privacy.audit
-    assert broken.epsilon_estimate > 2 * accountants["rdp"]
+    broken = audited_run("audit-eps8")
+    assert broken.privacy.audit.epsilon_estimate > 2 * accountants["rdp"]
+    # `pflbench plot` draws audit ε against the accountant's, and no WER figure from them.
+    report = plot_results([record, broken], tmp_path / "plots")
+    assert [p.name for p in report.written] == [f"{TASK}-privacy-audit.{x}" for x in ("png", "svg")]
+    assert_image(report.written[0])
+
+
+def test_the_cli_flag_sets_the_recipe_field_and_refuses_unclipped_baselines():
+    args = ["run", "--task", "synth-cv-en-ls-seed", "--baseline", "fedavg", "--budget", "none"]
+    result = CliRunner().invoke(app, [*args, "--audit-canaries", "10"])
+    assert isinstance(result.exception, UserError)  # `pflbench` prints it, exit code 2
+    assert "privacy.audit_canaries needs clipped updates" in str(result.exception)

@@ -116,6 +116,13 @@ def register(app: typer.Typer) -> None:
             help="Clients trained at once per process (vmap; small models without dropout; "
             "`pflbench bench fl --parallel-clients G` says whether it is faster).",
         ),
+        audit_canaries: int = typer.Option(
+            0,
+            "--audit-canaries",
+            min=0,
+            help="Insert N canary users for an empirical privacy audit (docs/PRIVACY.md); sets"
+            " privacy.audit_canaries, so the config hash says the run was audited.",
+        ),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar."),
         checkpoint_every: int = typer.Option(
             10, "--checkpoint-every", min=1, help="Central steps between resumable checkpoints."
@@ -131,8 +138,11 @@ def register(app: typer.Typer) -> None:
         if out is not None and resume is not None and out != resume:
             raise UserError("give either --out or --resume (the run directory to continue)")
         registry = load_registry(extra_spec_dirs(specs))
-        budget = budget or default_budget(registry, task, baseline, sets or [])
-        config = resolve(registry, task, baseline, budget, seed, sets or [])
+        sets = list(sets or [])
+        if audit_canaries:
+            sets.append(f"privacy.audit_canaries={audit_canaries}")
+        budget = budget or default_budget(registry, task, baseline, sets)
+        config = resolve(registry, task, baseline, budget, seed, sets)
         check_privacy(config)  # before torchrun starts any process
         if nproc > 1 and "WORLD_SIZE" not in os.environ:
             sys.exit(subprocess.call(_torchrun_argv(nproc)))
