@@ -1,6 +1,7 @@
 """The one-shot canary audit (privacy/audit.py): its statistics, the mechanism it audits (the real
 StepAggregator over many steps, with test-only faults injected), and `pflbench run` end to end."""
 
+import json
 import math
 
 import numpy as np
@@ -22,6 +23,7 @@ from pflbench.privacy.audit import (
     CanaryAudit,
     canary_update,
     check_audit,
+    check_audit_claim,
     clopper_pearson_upper,
     epsilon_lower_bound,
     gdp_delta,
@@ -33,6 +35,7 @@ from pflbench.privacy.statement import epsilons_at_scale
 from pflbench.results.leaderboard import render_leaderboard
 from pflbench.results.plots import plot_results
 from pflbench.results.schema import load_record
+from pflbench.results.submit import submit
 from pflbench.runner import run
 from pflbench.spec.models import Recipe
 from pflbench.spec.registry import load_registry
@@ -293,13 +296,15 @@ def audited_run(monkeypatch, tmp_path, tiny_cache_dir, audit_specs):
         config = resolve(load_registry([specs]), TASK, "perlayer-dim", budget, 0, [])
         out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
         record, _ = load_record(run(config, out_dir=out, progress=False) / "record.json")
-        return record
+        return record, out
 
     return go
 
 
-def test_an_audited_run_without_noise_records_a_very_large_epsilon(audited_run, audit_specs):
-    record = audited_run("none")
+def test_an_audited_run_without_noise_records_a_very_large_epsilon(
+    audited_run, audit_specs, tmp_path
+):
+    record, run_dir = audited_run("none")
     audit = record.privacy.audit
     assert audit.canaries_inserted == audit.canaries_held_out == RUN_CANARIES
     assert audit.canary_participations == RUN_CANARIES * RUN_STEPS  # sampled like users (q = 1)
@@ -313,12 +318,25 @@ def test_an_audited_run_without_noise_records_a_very_large_epsilon(audited_run, 
     text = render_leaderboard([record])
     assert "### privacy audit" in text and "### budget" not in text
     assert f"| perlayer-dim | none | {RUN_CANARIES} + {RUN_CANARIES} | ∞ |" in text
+    # `pflbench submit` accepts it, and rechecks the audit's numbers against its own summary.
+    registry = load_registry([audit_specs[0]])
+    submit(run_dir, tmp_path / "results", registry)
+    raw = json.loads((run_dir / "record.json").read_text())
+    check_audit_claim(raw["privacy"], RUN_CANARIES, "record")
+    with pytest.raises(UserError, match="canaries_inserted"):
+        check_audit_claim(raw["privacy"], RUN_CANARIES + 1, "record")
+    raw["privacy"]["audit"]["epsilon_estimate"] /= 10
+    with pytest.raises(UserError, match="epsilon_estimate"):
+        check_audit_claim(raw["privacy"], RUN_CANARIES, "record")
+    raw["privacy"]["audit"] = None
+    with pytest.raises(UserError, match="privacy.audit is missing"):
+        check_audit_claim(raw["privacy"], RUN_CANARIES, "record")
 
 
 def test_an_audited_run_stays_below_its_accountant_unless_the_noise_is_broken(
     audited_run, monkeypatch, tmp_path
 ):
-    record = audited_run("audit-eps8")
+    record, _ = audited_run("audit-eps8")
     audit = record.privacy.audit
     accountants = audit.accountant_epsilon_simulated
     assert accountants["rdp"] == pytest.approx(8.0, rel=1e-3) and accountants["pld"] < 8.0
@@ -326,7 +344,7 @@ def test_an_audited_run_stays_below_its_accountant_unless_the_noise_is_broken(
     # Test-only fault injection: 1/100 of the server noise the accountant assumes.
     true_std = aggregate.server_noise_std
     monkeypatch.setattr(aggregate, "server_noise_std", lambda c, s: true_std(c, s) / 100)
-    broken = audited_run("audit-eps8")
+    broken, _ = audited_run("audit-eps8")
     assert broken.privacy.audit.epsilon_estimate > 2 * accountants["rdp"]
     # `pflbench plot` draws audit ε against the accountant's, and no WER figure from them.
     report = plot_results([record, broken], tmp_path / "plots")

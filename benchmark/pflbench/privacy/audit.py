@@ -177,6 +177,41 @@ class CanaryAudit:
         }
 
 
+def check_audit_claim(privacy: dict | None, audit_canaries: int, where: str) -> None:
+    """A record's privacy.audit must be the audit its config asked for, and its μ, ε and
+    accountant ε must follow from its own cosine summary and the privacy claim it sits in."""
+    audit = (privacy or {}).get("audit")
+    if audit is None:
+        if audit_canaries:
+            raise UserError(f"{where}: the config inserts audit canaries; privacy.audit is missing")
+        return
+    if audit.get("canaries_inserted") != audit_canaries:
+        raise UserError(
+            f"{where}: privacy.audit.canaries_inserted is {audit.get('canaries_inserted')!r}, the"
+            f" config's privacy.audit_canaries is {audit_canaries}"
+        )
+    simulated = privacy.get("simulated") or {}
+    mu = mu_of(audit["cosines"])
+    expected = {
+        "delta": simulated.get("delta"),
+        "mu": mu,
+        "epsilon_estimate": gdp_epsilon(mu, audit["delta"]),
+        "accountant_epsilon_simulated": {
+            name: (claim or {}).get("epsilon")
+            for name, claim in (simulated.get("epsilon") or {}).items()
+        },
+    }
+    for key, value in expected.items():
+        claimed = audit.get(key)
+        same = (
+            claimed == value
+            if not isinstance(value, float)
+            else isinstance(claimed, int | float) and math.isclose(claimed, value, rel_tol=1e-6)
+        )
+        if not same:
+            raise UserError(f"{where}: privacy.audit.{key} is {claimed!r}, expected {value!r}")
+
+
 def canary_cosine(delta: dict[str, Tensor], canary: dict[str, Tensor]) -> float:
     dot = sum(float(torch.dot(delta[n].flatten(), c.double().flatten())) for n, c in canary.items())
     delta_norm = math.sqrt(sum(float(t.square().sum()) for t in delta.values()))
@@ -201,11 +236,15 @@ def cosine_summary(inserted: np.ndarray, held_out: np.ndarray) -> dict:
 
 def gdp_mu(inserted: Sequence[float], held_out: Sequence[float]) -> float:
     """(mean inserted − mean held-out) / pooled std; inf where the std is 0 and the means differ."""
-    inserted, held_out = np.asarray(inserted, float), np.asarray(held_out, float)
     if len(inserted) < 2 or len(held_out) < 2:
         raise ValueError("need at least two inserted and two held-out cosines")
-    gap = float(np.mean(inserted) - np.mean(held_out))
-    pooled = math.sqrt((np.var(inserted, ddof=1) + np.var(held_out, ddof=1)) / 2)
+    return mu_of(cosine_summary(np.asarray(inserted, float), np.asarray(held_out, float)))
+
+
+def mu_of(summary: dict) -> float:
+    """μ̂ from a cosine_summary (what the record keeps, so a submitted audit can be rechecked)."""
+    gap = summary["inserted_mean"] - summary["held_out_mean"]
+    pooled = math.sqrt((summary["inserted_std"] ** 2 + summary["held_out_std"] ** 2) / 2)
     if pooled == 0:
         return math.inf if gap > 0 else 0.0
     return max(gap, 0.0) / pooled
