@@ -16,7 +16,6 @@ import pflbench.fl.aggregate as aggregate
 from pflbench.cli import app
 from pflbench.errors import UserError
 from pflbench.fl.aggregate import StepAggregator
-from pflbench.fl.distributed import DistContext
 from pflbench.fl.sampling import expected_cohort, keyed_generator, sample_cohort
 from pflbench.privacy.accountants import compute_epsilon
 from pflbench.privacy.audit import (
@@ -178,7 +177,9 @@ def test_the_lower_bound_of_separated_cosines_is_the_bonferroni_clopper_pearson_
 REAL_USERS, CANARIES, STEPS = 20, 120, 8
 
 
-def audit_aggregator(sigma_dp: float, sampling_rate: float) -> dict:
+def audit_aggregator(
+    sigma_dp: float, sampling_rate: float, sampling: str = "poisson", placement: str = "server"
+) -> dict:
     """Audit T steps of the real StepAggregator: real users send random updates (larger than the
     bound, so they are clipped), canaries are sampled among them; the server applies SGD (lr 1),
     so θ_0 − θ_T is the sum of the noisy averages."""
@@ -186,25 +187,30 @@ def audit_aggregator(sigma_dp: float, sampling_rate: float) -> dict:
     cohort = round(sampling_rate * population)
     recipe = Recipe.model_validate(
         {
-            "federated": {"cohort_size": cohort, "central_steps": STEPS},
-            "privacy": {"clipping": "perlayer", "clip_bound": 1.0, "audit_canaries": CANARIES},
+            "federated": {"cohort_size": cohort, "central_steps": STEPS, "sampling": sampling},
+            "privacy": {
+                "clipping": "perlayer",
+                "clip_bound": 1.0,
+                "noise_placement": placement,
+                "audit_canaries": CANARIES,
+            },
         }
     )
     params = {"w": torch.zeros(40, 50), "b": torch.zeros(2000)}
     users = [f"user{i}" for i in range(REAL_USERS)]
     audit = CanaryAudit(recipe, 0, params, users)
     everyone = users + audit.ids
-    denominator = expected_cohort(population, cohort)
+    denominator = expected_cohort(population, cohort) if sampling == "poisson" else cohort
     for step in range(STEPS):
         aggregator = StepAggregator(
             params, recipe.privacy, sigma_dp, denominator, 100.0, 0, step, "cpu"
         )
-        sampled = sample_cohort(population, cohort, "poisson", 0, step).tolist()
+        sampled = sample_cohort(population, cohort, sampling, 0, step).tolist()
         for user in audit.fold_in(aggregator, [everyone[i] for i in sampled]):
             generator = keyed_generator(user, step)
             update = {k: torch.randn(p.shape, generator=generator) for k, p in params.items()}
             aggregator.add(update, user, 0.0, 1, 1)
-        grads, _ = aggregator.finish(DistContext())
+        grads, _ = aggregator.finish()
         torch._foreach_sub_(list(params.values()), grads)
     scale = epsilons_at_scale(sigma_dp, cohort, population, STEPS, DELTA, ("rdp", "pld"))
     return audit.finish(params, STEPS, scale)
@@ -226,6 +232,13 @@ def test_audit_of_the_correct_mechanism_stays_below_the_accountants():
     assert 1.0 < audit["epsilon_estimate"] < accountant
     assert audit["epsilon_lower_bound"] < audit["epsilon_estimate"]
     assert audit["canaries_sampled"] == CANARIES  # q = 0.5 over 10 steps: all but ~0.1%
+
+
+def test_canaries_take_client_side_noise_and_count_in_fixed_cohorts():
+    # Client-side noise needs exactly S users per step: canaries are among them (Fault caught: a
+    # canary not counted fails the step; a canary skipping its noise shows as a huge ε).
+    audit = audit_aggregator(sigma_for(0.5), 0.5, sampling="fixed", placement="client")
+    assert 1.0 < audit["epsilon_estimate"] < min(audit["accountant_epsilon_simulated"].values())
 
 
 def test_audit_of_a_broken_noise_exceeds_the_accountants(monkeypatch):
