@@ -218,7 +218,8 @@ def plot_audits(records: list[ResultRecord], task: str, out_dir: Path, report: P
     low = min(min(x, a.epsilon_lower_bound or x) for _, x, a in drawn)
     high = max(max(x, a.epsilon_estimate) for _, x, a in drawn)
     ax.plot([low, high], [low, high], color="black", linestyle=":", label="audit = accountant")
-    ax.set(xscale="log", yscale="symlog", xlabel="accountant ε at the simulated scale")
+    ax.set_yscale("symlog", linthresh=1.0)  # a lower bound of 0 stays on the axis
+    ax.set(xscale="log", ylim=(0, 2 * high), xlabel="accountant ε at the simulated scale")
     ax.set(ylabel="audit ε (one run, canaries)")
     ax.legend(fontsize="small")
     save(fig, out_dir, stem, report)
