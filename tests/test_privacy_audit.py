@@ -36,9 +36,9 @@ from pflbench.results.plots import plot_results
 from pflbench.results.schema import load_record
 from pflbench.results.submit import submit
 from pflbench.runner import run
-from pflbench.spec.models import Recipe
+from pflbench.spec.models import Recipe, RunConfig
 from pflbench.spec.registry import load_registry
-from pflbench.spec.resolve import resolve
+from pflbench.spec.resolve import config_hash, resolve
 
 DELTA = 1e-5
 
@@ -105,6 +105,24 @@ def test_canaries_are_seeded_unit_directions_scaled_to_the_clip_bound():
     d = flat[0].numel()
     for f in flat[2:]:  # independent random directions: cosine ~ N(0, 1/d)
         assert abs(float(flat[0] @ f) / 4.0) < 5 / math.sqrt(d)
+
+
+def test_only_an_audited_config_hashes_differently():
+    # Fault caught: the new field changing the hash of every run made before it existed.
+    registry = load_registry()
+    plain = resolve(registry, "synth-cv-en-ls-seed", "perlayer-dim", "none", 0, [])
+    zero = resolve(
+        registry, "synth-cv-en-ls-seed", "perlayer-dim", "none", 0, ["privacy.audit_canaries=0"]
+    )
+    audited = resolve(
+        registry, "synth-cv-en-ls-seed", "perlayer-dim", "none", 0, ["privacy.audit_canaries=5"]
+    )
+    assert "audit_canaries" not in plain.model_dump(mode="json")["recipe"]["privacy"]
+    assert zero.recipe.model_dump(mode="json") == plain.recipe.model_dump(mode="json")
+    assert config_hash(plain) != config_hash(audited)
+    assert audited.model_dump(mode="json")["recipe"]["privacy"]["audit_canaries"] == 5
+    stored = plain.model_dump(mode="json")
+    assert config_hash(RunConfig.model_validate(stored)) == config_hash(plain)
 
 
 def test_an_audit_needs_federated_training_and_clipping():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 
 class Strict(BaseModel):
@@ -210,6 +210,15 @@ class PrivacyRecipe(Strict):
         if self.adaptive_clip is not None and self.noise_placement != "server":
             raise ValueError("adaptive_clip needs noise_placement: server")
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_no_audit(self, handler):
+        # Without an audit the field is left out of the dump, so every config hash from before
+        # the field existed stays what it was; an audited run's hash names its canaries.
+        data = handler(self)
+        if data.get("audit_canaries") == 0:
+            del data["audit_canaries"]
+        return data
 
 
 class Recipe(Strict):
