@@ -125,6 +125,18 @@ def test_only_an_audited_config_hashes_differently():
     assert config_hash(RunConfig.model_validate(stored)) == config_hash(plain)
 
 
+def test_a_canary_is_folded_in_at_the_step_s_clip_bound():
+    # Adaptive clipping moves the bound from step to step; a canary follows it (Fault caught: a
+    # canary at the recipe's C would be clipped, or stand out, once the bound has moved).
+    recipe = Recipe.model_validate({"privacy": {"audit_canaries": 1, "clip_bound": 1.0}})
+    audit = CanaryAudit(recipe, 0, LIKE, [])
+    aggregator = StepAggregator(LIKE, recipe.privacy, 0.0, 1.0, 10.0, 0, 0, "cpu", 0.3)
+    assert audit.fold_in(aggregator, [audit.ids[0], "someone"]) == ["someone"]
+    grads, report = aggregator.finish()
+    assert float(torch.cat([g.flatten() for g in grads]).norm()) == pytest.approx(0.3, rel=1e-5)
+    assert report["clients"] == 0  # a canary is no client of the training stats
+
+
 def test_an_audit_needs_federated_training_and_clipping():
     for fields in (
         {"training": "central", "privacy": {"audit_canaries": 5}},

@@ -113,18 +113,19 @@ class CanaryAudit:
         self.real_users = len(users)
         self.start = {n: p.detach().clone() for n, p in params.items()}
 
-    def update(self, index: int) -> dict[str, Tensor]:
+    def update(self, index: int, bound: float | None = None) -> dict[str, Tensor]:
+        """Canary `index` at `bound` (the step's clip bound; default the recipe's C)."""
         privacy = self.recipe.privacy
         perlayer = privacy.clipping == "perlayer"
-        return canary_update(
-            index, self.seed, self.start, privacy.clip_bound, perlayer, privacy.perlayer_mode
-        )
+        bound = privacy.clip_bound if bound is None else bound
+        return canary_update(index, self.seed, self.start, bound, perlayer, privacy.perlayer_mode)
 
     def fold_in(self, aggregator, users: list[str]) -> list[str]:
-        """Add the sampled canaries among `users` to the step's aggregate; return the real users."""
+        """Add the sampled canaries among `users` to the step's aggregate, each at the step's
+        clip bound (adaptive clipping moves it); return the real users."""
         for user in users:
             if user in self.index:
-                aggregator.add_canary(self.update(self.index[user]), user)
+                aggregator.add_canary(self.update(self.index[user], aggregator.bound), user)
         return [u for u in users if u not in self.index]
 
     def participations(self, steps: int) -> np.ndarray:
