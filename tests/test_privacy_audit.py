@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 import pflbench.fl.aggregate as aggregate
 from pflbench.cli import app
+from pflbench.cli.run import run_summary
 from pflbench.errors import UserError
 from pflbench.fl.aggregate import StepAggregator
 from pflbench.fl.sampling import expected_cohort, keyed_generator, sample_cohort
@@ -361,6 +362,8 @@ def test_an_audited_run_without_noise_records_a_very_large_epsilon(
     text = render_leaderboard([record])
     assert "### privacy audit" in text and "### budget" not in text
     assert f"| perlayer-dim | none | {RUN_CANARIES} + {RUN_CANARIES} | ∞ |" in text
+    summary = run_summary(run_dir)  # what `pflbench run` prints at the end
+    assert any(line.startswith(f"privacy audit ({RUN_CANARIES} canaries") for line in summary)
     # `pflbench submit` accepts it, and rechecks the audit's numbers against its own summary.
     registry = load_registry([audit_specs[0]])
     submit(run_dir, tmp_path / "results", registry)

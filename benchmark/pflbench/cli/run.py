@@ -73,6 +73,13 @@ def run_summary(run_dir: Path) -> list[str]:
     for label, scale in (("simulated", privacy.simulated), ("extrapolated", privacy.extrapolated)):
         if privacy.dp and scale is not None:
             lines.append(f"ε{delta} at the {label} scale {_epsilons(scale)}")
+    audit = privacy.audit
+    if audit is not None:  # compare with the simulated scale's ε (docs/PRIVACY.md)
+        lines.append(
+            f"privacy audit ({audit.canaries_inserted} canaries + {audit.canaries_held_out} held"
+            f" out, δ = {audit.delta:g}): ε estimate {audit.epsilon_estimate:.3g}, lower bound"
+            f" {audit.epsilon_lower_bound:.3g} ({100 * audit.confidence:g}% confidence)"
+        )
     wall = record.compute.wall_seconds
     if wall is not None:
         lines.append(f"wall time: {hms(wall)}" if wall >= 60 else f"wall time: {wall:.1f} s")
