@@ -40,6 +40,7 @@ from pflbench.fl.freeze import layer_scores, select_trained
 from pflbench.fl.sampling import keyed_seed, sampling_rate
 from pflbench.fl.simulator import Simulator
 from pflbench.metrics_log import MetricsLog
+from pflbench.privacy.audit import check_audit
 from pflbench.progress import make_progress
 from pflbench.results.schema import safe_name
 from pflbench.spec.models import RunConfig
@@ -135,6 +136,7 @@ def check_privacy(config: RunConfig) -> None:
             f"baseline {config.baseline.name!r} (training: {training}) is a non-private reference"
             f" row, so budget {config.budget.name!r} cannot be met; use --budget none"
         )
+    check_audit(config.recipe)
     if config.budget.dp and config.recipe.privacy.clipping == "none":
         raise UserError(
             f"baseline {config.baseline.name!r} does not clip client updates "
@@ -416,6 +418,7 @@ def _run(config, run_dir, ctx, device, options: RunOptions, started: float):
             config, run_dir, ctx, device, data, model, seed_path, options, started
         )
     sigma_dp = run_noise(config)
+    population += config.recipe.privacy.audit_canaries  # canaries are users: accounted for
 
     checkpoint = latest_checkpoint(run_dir)
     meta: dict = {}
@@ -510,7 +513,7 @@ def _run(config, run_dir, ctx, device, options: RunOptions, started: float):
         write_utterance_errors(run_dir, final)
         record = build_record(
             config, data, lines, final, seed_results, sigma_dp, population, ctx, device,
-            sim.model, sim.client.group_size, wall,
+            sim.model, sim.client.group_size, wall, sim.audit,
         )  # fmt: skip
         write_atomic(run_dir / "record.json", json.dumps(record, indent=2, sort_keys=True) + "\n")
         write_atomic(run_dir / "DONE", datetime.now(UTC).isoformat() + "\n")
@@ -576,6 +579,7 @@ def build_record(
     model: torch.nn.Module,
     parallel_clients: int,
     wall_seconds: float,
+    audit=None,
 ) -> dict:
     from pflbench.results.schema import RECORD_SCHEMA_VERSION, ResultRecord, compute_record_id
 
@@ -614,6 +618,9 @@ def build_record(
             "clipped_fraction_mean": sum(fractions) / len(fractions) if fractions else None,
         },
     }
+    if audit is not None:
+        params, simulated = dict(model.named_parameters()), record["privacy"]["simulated"]
+        record["privacy"]["audit"] = audit.finish(params, len(steps), simulated)
     record["record_id"] = compute_record_id(record)
     ResultRecord.model_validate(record)
     return record

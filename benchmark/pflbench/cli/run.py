@@ -73,6 +73,13 @@ def run_summary(run_dir: Path) -> list[str]:
     for label, scale in (("simulated", privacy.simulated), ("extrapolated", privacy.extrapolated)):
         if privacy.dp and scale is not None:
             lines.append(f"ε{delta} at the {label} scale {_epsilons(scale)}")
+    audit = privacy.audit
+    if audit is not None:  # compare with the simulated scale's ε (docs/PRIVACY.md)
+        lines.append(
+            f"privacy audit ({audit.canaries_inserted} canaries + {audit.canaries_held_out} held"
+            f" out, δ = {audit.delta:g}): ε estimate {audit.epsilon_estimate:.3g}, lower bound"
+            f" {audit.epsilon_lower_bound:.3g} ({100 * audit.confidence:g}% confidence)"
+        )
     wall = record.compute.wall_seconds
     if wall is not None:
         lines.append(f"wall time: {hms(wall)}" if wall >= 60 else f"wall time: {wall:.1f} s")
@@ -116,6 +123,13 @@ def register(app: typer.Typer) -> None:
             help="Clients trained at once per process (vmap; small models without dropout; "
             "`pflbench bench fl --parallel-clients G` says whether it is faster).",
         ),
+        audit_canaries: int = typer.Option(
+            0,
+            "--audit-canaries",
+            min=0,
+            help="Insert N canary users for an empirical privacy audit (docs/PRIVACY.md); sets"
+            " privacy.audit_canaries, so the config hash says the run was audited.",
+        ),
         progress: bool = typer.Option(True, "--progress/--no-progress", help="Progress bar."),
         checkpoint_every: int = typer.Option(
             10, "--checkpoint-every", min=1, help="Central steps between resumable checkpoints."
@@ -131,8 +145,11 @@ def register(app: typer.Typer) -> None:
         if out is not None and resume is not None and out != resume:
             raise UserError("give either --out or --resume (the run directory to continue)")
         registry = load_registry(extra_spec_dirs(specs))
-        budget = budget or default_budget(registry, task, baseline, sets or [])
-        config = resolve(registry, task, baseline, budget, seed, sets or [])
+        sets = list(sets or [])
+        if audit_canaries:
+            sets.append(f"privacy.audit_canaries={audit_canaries}")
+        budget = budget or default_budget(registry, task, baseline, sets)
+        config = resolve(registry, task, baseline, budget, seed, sets)
         check_privacy(config)  # before torchrun starts any process
         if nproc > 1 and "WORLD_SIZE" not in os.environ:
             sys.exit(subprocess.call(_torchrun_argv(nproc)))

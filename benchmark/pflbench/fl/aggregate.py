@@ -64,12 +64,29 @@ class StepAggregator:
         # clients, non-finite, clipped, loss sum, local steps, frames, within the bound, then
         # Σ‖Δ_h‖ and Σ‖Δ_h‖².
         self.stats = torch.zeros(HEAD + 2 * num_layers, dtype=torch.float64)
+        self.canaries = torch.zeros(1, dtype=torch.float64)  # audit canaries: users without data
 
     def add(
         self, update: dict[str, torch.Tensor], user: str, loss: float, steps: int, frames: int
     ) -> None:
         """Fold one client's Δ in (the update's buffers are modified in place)."""
         nonfinite = zero_if_nonfinite(update)
+        clipped = self._fold(update, user)
+        norms = clipped.norms.double().cpu()
+        loss = 0.0 if nonfinite else loss
+        within = _within(norms, self.bound)  # the adaptive bit
+        head = [1.0, float(nonfinite), float(clipped.changed), loss, steps, frames, float(within)]
+        self.stats += torch.cat([torch.tensor(head, dtype=torch.float64), norms, norms**2])
+
+    def add_canary(self, update: dict[str, torch.Tensor], user: str) -> None:
+        """Fold an audit canary's Δ in like a user's (privacy/audit.py), adaptive bit included;
+        it has no data, so it stays out of the training stats."""
+        clipped = self._fold(update, user)
+        self.canaries += 1
+        self.stats[6] += float(_within(clipped.norms.double().cpu(), self.bound))
+
+    def _fold(self, update: dict[str, torch.Tensor], user: str):
+        """Clip, add client-side noise if placed there, and add to the exact sum."""
         clipped = clip_update(
             update,
             self.privacy.clipping,
@@ -82,17 +99,13 @@ class StepAggregator:
             generator = noise_generator(self.seed, self.step, user=user, device=self.device)
             add_gaussian_noise(clipped.update, self.client_std, generator)
         self.sum.add(clipped.update)
-        norms = clipped.norms.double().cpu()
-        loss = 0.0 if nonfinite else loss
-        within = float(torch.linalg.vector_norm(norms)) <= self.bound  # the adaptive bit
-        head = [1.0, float(nonfinite), float(clipped.changed), loss, steps, frames, float(within)]
-        self.stats += torch.cat([torch.tensor(head, dtype=torch.float64), norms, norms**2])
+        return clipped
 
     def finish(self) -> tuple[list[torch.Tensor], dict]:
         """All-reduce, average, add server noise; returns (pseudo-gradient per tensor, stats)."""
         all_reduce_sum(self.sum.buffers())
-        all_reduce_sum([self.stats])
-        clients = float(self.stats[0])
+        all_reduce_sum([self.stats, self.canaries])
+        clients = float(self.stats[0] + self.canaries[0])
         if self.client_std and clients != self.denominator:
             raise ValueError(
                 f"client-side noise needs exactly {self.denominator:g} clients per step (then the"
@@ -144,6 +157,10 @@ class StepAggregator:
                 "update_norm_after_noise": norm_after,
             },
         }
+
+
+def _within(norms: torch.Tensor, bound: float) -> bool:
+    return float(torch.linalg.vector_norm(norms)) <= bound
 
 
 def _global_norm(tensors: list[torch.Tensor]) -> float:

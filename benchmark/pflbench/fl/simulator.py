@@ -31,6 +31,7 @@ from pflbench.fl.parallel import ParallelClientTrainer
 from pflbench.fl.sampling import expected_cohort, sample_cohort
 from pflbench.fl.server import ServerOptimizer, learning_rate
 from pflbench.privacy.adaptive import next_clip_bound
+from pflbench.privacy.audit import CanaryAudit
 from pflbench.spec.models import ClientRecipe, Recipe
 
 PREFETCH_DEPTH = 2  # users whose data loads while the current one trains
@@ -103,10 +104,18 @@ class Simulator:
             for u, n in zip(self.users, counts, strict=True)
         ]
         self.update_bound = update_bound(fed.client, max(counts, default=1))
+        # Audit canaries are extra users: sampled like the others, trained by nobody.
+        self.audit = None
+        self.population = self.users
+        if recipe.privacy.audit_canaries:
+            trained = dict(zip(self.names, self.params, strict=True))
+            self.audit = CanaryAudit(recipe, seed, trained, self.users)
+            self.population = self.users + self.audit.ids
+            self.work += [0.0] * len(self.audit.ids)
         self.denominator = (
-            expected_cohort(len(self.users), fed.cohort_size)
+            expected_cohort(len(self.population), fed.cohort_size)
             if fed.sampling == "poisson"
-            else min(fed.cohort_size, len(self.users))
+            else min(fed.cohort_size, len(self.population))
         )
         self.clip_bound = recipe.privacy.clip_bound  # C_t: moves under adaptive clipping
         self.step = 0
@@ -114,10 +123,11 @@ class Simulator:
     def my_users(self, step: int) -> list[str]:
         """This process's share of step `step`'s cohort."""
         fed = self.recipe.federated
-        cohort = sample_cohort(len(self.users), fed.cohort_size, fed.sampling, self.seed, step)
+        population = self.population
+        cohort = sample_cohort(len(population), fed.cohort_size, fed.sampling, self.seed, step)
         cohort_list = cohort.tolist()
         shares = assign_users([self.work[i] for i in cohort_list], self.ctx.world_size)
-        return [self.users[cohort_list[i]] for i in shares[self.ctx.rank]]
+        return [population[cohort_list[i]] for i in shares[self.ctx.rank]]
 
     def run_step(self) -> dict:
         """One central step; returns its stats (identical on every rank)."""
@@ -133,7 +143,10 @@ class Simulator:
             self.device,
             self.clip_bound,
         )
-        users = prefetched(self.store.load_user, self.my_users(step))
+        mine = self.my_users(step)
+        if self.audit is not None:
+            mine = self.audit.fold_in(aggregator, mine)
+        users = prefetched(self.store.load_user, mine)
         for group in chunks(users, self.client.group_size):
             for user, result in self.client.train_group(self.params, group, step):
                 aggregator.add(result.update, user, result.loss, result.local_steps, result.frames)

@@ -2,6 +2,8 @@
 
 Per task a section, per budget a table. Seeds of one (task, baseline, budget, config without the
 seed) are one row: mean ± std and n. Rows are ranked by the mean WER over the task's test sets.
+Privacy-audit runs (their model carries canaries) are not ranked: each task lists them in a
+"privacy audit" table, audit ε next to the accountant's ε at the simulated scale.
 """
 
 from __future__ import annotations
@@ -294,6 +296,34 @@ def render_table(
     return "\n".join(lines) + "\n"
 
 
+def is_audit(record: ResultRecord) -> bool:
+    return record.privacy is not None and record.privacy.audit is not None
+
+
+def render_audits(records: list[ResultRecord]) -> str:
+    """One row per audit run (privacy/audit.py), in baseline, budget, record order."""
+    head = ["baseline", "budget", "canaries (inserted + held out)", "ε accountant, simulated"]
+    head += ["ε audit estimate", "ε audit lower bound", "δ", "record"]
+    lines = [
+        "### privacy audit (not ranked: the audited model carries canaries)\n",
+        "Empirical ε of one run from canary users (Andrew et al. 2024; docs/PRIVACY.md) next to"
+        " the accountant's ε for the mechanism that run actually simulated (its population with"
+        " the canaries, its cohort and steps).\n",
+        "| " + " | ".join(head) + " |",
+        "|" + "---|" * len(head),
+    ]
+    for record in sorted(records, key=lambda r: (r.baseline, r.budget, r.record_id)):
+        audit = record.privacy.audit
+        value, name = epsilon(record, "simulated") or (None, "")
+        accountant = fmt_number(value) + (f" {name}" if name else "")
+        bound = f"{fmt_number(audit.epsilon_lower_bound)} ({100 * audit.confidence:g}%)"
+        cells = [cell(record.baseline), cell(record.budget)]
+        cells += [f"{audit.canaries_inserted} + {audit.canaries_held_out}", accountant]
+        cells += [fmt_number(audit.epsilon_estimate), bound, f"{audit.delta:g}", record.record_id]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def budget_title(name: str, budget: Budget | None) -> str:
     if budget is None:
         return f"### budget `{name}` (not in the registry)"
@@ -324,7 +354,8 @@ def render_leaderboard(
         by_task.setdefault(record.task.name, []).append(record)
     parts = [HEADER]
     for task in sorted(by_task):
-        task_records = by_task[task]
+        audits = [r for r in by_task[task] if is_audit(r)]
+        task_records = [r for r in by_task[task] if not is_audit(r)]
         version = task_versions.get(task)
         columns = eval_columns(task_records)
         roles = {n: r.role for rec in task_records for n, r in rec.metrics.final.items()}
@@ -336,6 +367,8 @@ def render_leaderboard(
         for name in sorted(by_budget, key=lambda n: budget_order(n, budgets.get(n))):
             parts.append(budget_title(name, budgets.get(name)) + "\n")
             parts.append(render_table(group_rows(by_budget[name]), columns, roles, version))
+        if audits:
+            parts.append(render_audits(audits))
         if task in sections:
             parts.append(sections[task])
     return "\n".join(parts)

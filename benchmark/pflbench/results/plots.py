@@ -1,8 +1,9 @@
 """Figures from result records and run logs, as PNG and SVG, byte-identical for the same input.
 
 Result figures (per task): WER vs σ_DP per clipping mode (paper Figs. 12-13), the privacy-utility
-frontier (WER vs ε at the extrapolated scale), WER vs cohort size (Figs. 3-4). Run figures (from a
-run's metrics.jsonl): per-layer client-delta norms (Fig. 6) and training curves.
+frontier (WER vs ε at the extrapolated scale), WER vs cohort size (Figs. 3-4), and audit ε vs the
+accountant's ε at the simulated scale for privacy-audit runs (not in the WER figures). Run figures
+(from a run's metrics.jsonl): per-layer client-delta norms (Fig. 6) and training curves.
 """
 
 from __future__ import annotations
@@ -19,7 +20,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
-from pflbench.results.leaderboard import Row, cohort_size, epsilon, group_rows  # noqa: E402
+from pflbench.results.leaderboard import (  # noqa: E402
+    Row,
+    cohort_size,
+    epsilon,
+    group_rows,
+    is_audit,
+)
 from pflbench.results.schema import ResultRecord, safe_name  # noqa: E402
 
 FIGSIZE = (8.0, 5.0)
@@ -136,6 +143,8 @@ def pareto_front(pts: list[Point]) -> list[Point]:
 def plot_task(records: list[ResultRecord], task: str, out_dir: Path, report: PlotReport) -> None:
     safe_name(task, "task name")
     records = [r for r in records if r.task.name == task]
+    plot_audits([r for r in records if is_audit(r)], task, out_dir, report)
+    records = [r for r in records if not is_audit(r)]  # their models carry canaries
     rows, sets = group_rows(records), test_sets(records)
     ylabel = "test WER (%)"
 
@@ -178,6 +187,42 @@ def plot_task(records: list[ResultRecord], task: str, out_dir: Path, report: Plo
         save(fig, out_dir, f"{task}-wer-vs-cohort", report)
     else:
         report.skipped.append(f"{task}-wer-vs-cohort: fewer than two cohort sizes")
+
+
+def plot_audits(records: list[ResultRecord], task: str, out_dir: Path, report: PlotReport) -> None:
+    """Audit ε (estimate, and lower bound below it) against the accountant's ε at the simulated
+    scale, one series per baseline / budget; the diagonal is where the audit would meet it."""
+    stem = f"{task}-privacy-audit"
+    if not records:
+        report.skipped.append(f"{stem}: no privacy-audit runs")
+        return
+    drawn = []
+    for record in records:
+        found = epsilon(record, "simulated")
+        if found is None or not math.isfinite(found[0]):
+            report.skipped.append(f"{stem}: {record.record_id} has no finite accountant ε")
+            continue
+        drawn.append((f"{record.baseline} / {record.budget}", found[0], record.privacy.audit))
+    if not drawn:
+        return
+    fig, (ax,) = new_figure(f"{task}: empirical privacy audit vs accountant")
+    for i, series in enumerate(sorted({d[0] for d in drawn})):
+        pts = sorted(
+            (x, a.epsilon_estimate, a.epsilon_lower_bound) for s, x, a in drawn if s == series
+        )
+        xs = [p[0] for p in pts]
+        ax.scatter(xs, [p[1] for p in pts], color=f"C{i}", marker="o", label=f"{series}: estimate")
+        ax.scatter(xs, [p[2] for p in pts], color=f"C{i}", marker="v", facecolor="none",
+                   label=f"{series}: lower bound")  # fmt: skip
+        ax.vlines(xs, [p[2] for p in pts], [p[1] for p in pts], color=f"C{i}", alpha=0.5)
+    low = min(min(x, a.epsilon_lower_bound or x) for _, x, a in drawn)
+    high = max(max(x, a.epsilon_estimate) for _, x, a in drawn)
+    ax.plot([low, high], [low, high], color="black", linestyle=":", label="audit = accountant")
+    ax.set_yscale("symlog", linthresh=1.0)  # a lower bound of 0 stays on the axis
+    ax.set(xscale="log", ylim=(0, 2 * high), xlabel="accountant ε at the simulated scale")
+    ax.set(ylabel="audit ε (one run, canaries)")
+    ax.legend(fontsize="small")
+    save(fig, out_dir, stem, report)
 
 
 def plot_results(records: list[ResultRecord], out_dir: Path, task: str | None = None) -> PlotReport:

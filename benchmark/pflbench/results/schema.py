@@ -107,6 +107,36 @@ class ScaleClaim(Open):
     )
 
 
+class AuditCosines(Strict):
+    inserted_mean: float
+    inserted_std: float
+    held_out_mean: float
+    held_out_std: float
+
+
+class PrivacyAudit(Strict):
+    """What pflbench.privacy.audit.CanaryAudit.finish returns: the empirical ε of an audit run,
+    next to the accountants' ε at the simulated scale (the only one an audit can check)."""
+
+    method: str
+    canaries_inserted: int = Field(ge=1)
+    canaries_held_out: int = Field(ge=1)
+    canaries_sampled: int = Field(ge=0, description="Inserted canaries sampled at least once.")
+    canary_participations: int = Field(ge=0)
+    dimension: int = Field(ge=1, description="Trained parameters the canaries span.")
+    cosines: AuditCosines
+    delta: float = Field(gt=0, lt=1)
+    mu: float = Field(ge=0, description="μ-GDP estimate; inf when the cosines never overlap.")
+    epsilon_estimate: float = Field(ge=0)
+    epsilon_lower_bound: float = Field(ge=0)
+    confidence: float = Field(gt=0, lt=1)
+    lower_bound_method: str
+    accountant_epsilon_simulated: dict[str, float | None] = Field(
+        description="By accountant; null without noise (ε is infinite) or where it fails."
+    )
+    how: str
+
+
 class PrivacyClaim(Open):
     """What pflbench.privacy.statement.privacy_statement returns (docs/RESULTS.md describes it)."""
 
@@ -128,6 +158,7 @@ class PrivacyClaim(Open):
     simulated: ScaleClaim | None = None
     extrapolated: ScaleClaim | None = None
     how: str | None = None
+    audit: PrivacyAudit | None = None
 
 
 class Cfmq(Strict):

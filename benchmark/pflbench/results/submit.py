@@ -268,12 +268,15 @@ def validate_record(
     record: ResultRecord, raw: dict, registry: Registry, where: str, stale_ok: bool = False
 ) -> bool:
     """All content checks of a run record (not the duplicate check); returns whether it is stale."""
+    from pflbench.privacy.audit import check_audit_claim
+
     if record.kind != "run":
         raise UserError(f"{where}: only run records can be submitted (kind is {record.kind!r})")
     config = check_config(record, raw, where)
     stale = check_task_version(record, registry, where, stale_ok)
     budget = check_budget(config, registry, where)
     check_privacy(raw.get("privacy"), config, budget, where)
+    check_audit_claim(raw.get("privacy"), config.recipe.privacy.audit_canaries, where)
     return stale
 
 

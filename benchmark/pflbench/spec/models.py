@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
 
 class Strict(BaseModel):
@@ -192,6 +192,13 @@ class PrivacyRecipe(Strict):
         "server",
         description="'client' (each user adds N(0, C²σ²qK)) needs federated.sampling: fixed.",
     )
+    audit_canaries: int = Field(
+        0,
+        ge=0,
+        description="Canary users inserted for an empirical privacy audit (privacy/audit.py):"
+        " as many more are held out. 0: no audit. An audited model carries canaries, so its"
+        " WER is not ranked.",
+    )
     adaptive_clip: AdaptiveClip | None = Field(
         None, description="Adapt the (total) bound, from clip_bound, to a quantile of the norms."
     )
@@ -203,6 +210,15 @@ class PrivacyRecipe(Strict):
         if self.adaptive_clip is not None and self.noise_placement != "server":
             raise ValueError("adaptive_clip needs noise_placement: server")
         return self
+
+    @model_serializer(mode="wrap")
+    def _omit_no_audit(self, handler):
+        # Without an audit the field is left out of the dump, so every config hash from before
+        # the field existed stays what it was; an audited run's hash names its canaries.
+        data = handler(self)
+        if data.get("audit_canaries") == 0:
+            del data["audit_canaries"]
+        return data
 
 
 class Recipe(Strict):
