@@ -174,7 +174,6 @@ def test_sweep_plan_and_skip_finished(tmp_path):
     assert len(report.skipped) == 4 and not report.finished and not report.failed
 
 
-
 def test_a_run_begun_by_a_killed_sweep_is_resumed(tmp_path):
     (run,) = plan_sweep("fx-task", ["fedavg"], ["fx-nodp"], [0], [], tmp_path)
     assert run.command()[-2:] == ["--out", str(run.run_dir)]

@@ -37,7 +37,7 @@ PAPER_TASKS = {
 }
 # Golden: sha256 of the canonical JSON of the fixture run. It changes only when the RunConfig
 # schema or the fixture specs change; then review the change and update it deliberately.
-GOLDEN_HASH = "1c96528d3143aeae7f519a234d0264a51e7692db92116a5259effd4a384f27cf"
+GOLDEN_HASH = "036a46bf29c6d59266300c101b174e92cedf49ed4a46fd09a41b13e8702e4eab"
 
 
 def fixture_config(**kw):

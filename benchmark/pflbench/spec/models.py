@@ -212,12 +212,14 @@ class PrivacyRecipe(Strict):
         return self
 
     @model_serializer(mode="wrap")
-    def _omit_no_audit(self, handler):
-        # Without an audit the field is left out of the dump, so every config hash from before
-        # the field existed stays what it was; an audited run's hash names its canaries.
+    def _omit_unused_options(self, handler):
+        # Without an audit or adaptive clipping those fields are left out of the dump, so every
+        # config hash from before they existed stays what it was; a run using one hashes it.
         data = handler(self)
         if data.get("audit_canaries") == 0:
             del data["audit_canaries"]
+        if data.get("adaptive_clip", 0) is None:
+            del data["adaptive_clip"]
         return data
 
 
