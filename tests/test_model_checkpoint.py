@@ -1,7 +1,10 @@
 """Checkpoints: safetensors + JSON sidecar round-trip; loading never unpickles."""
 
 import json
+import multiprocessing
 import pickle
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -61,3 +64,31 @@ def test_missing_sidecar_and_mismatched_weights_are_user_errors(tmp_path):
     (tmp_path / "m.json").unlink()
     with pytest.raises(UserError, match="sidecar"):
         load_checkpoint(path)
+
+
+def _hold_lock_and_log(lock_path: str, log_path: str, name: str, hold_s: float) -> None:
+    from pflbench.checkpoint import exclusive
+
+    with exclusive(Path(lock_path)):
+        with open(log_path, "a") as log:
+            log.write(f"{name}-in\n")
+        time.sleep(hold_s)
+        with open(log_path, "a") as log:
+            log.write(f"{name}-out\n")
+
+
+def test_exclusive_serializes_processes_sharing_a_cache(tmp_path):
+    """Two sweep jobs building the same cached artifact: the second waits for the first."""
+    lock, log = tmp_path / "cache" / "prepare.lock", tmp_path / "log.txt"
+    ctx = multiprocessing.get_context("spawn")
+    first = ctx.Process(target=_hold_lock_and_log, args=(str(lock), str(log), "a", 1.0))
+    first.start()
+    deadline = time.monotonic() + 30
+    while not log.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    second = ctx.Process(target=_hold_lock_and_log, args=(str(lock), str(log), "b", 0.0))
+    second.start()
+    first.join(30)
+    second.join(30)
+    assert first.exitcode == 0 and second.exitcode == 0
+    assert log.read_text().split() == ["a-in", "a-out", "b-in", "b-out"]

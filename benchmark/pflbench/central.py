@@ -21,7 +21,7 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 from torch import Tensor, nn
 
-from pflbench.checkpoint import load_checkpoint, load_model, save_checkpoint, save_model
+from pflbench.checkpoint import exclusive, load_checkpoint, load_model, save_checkpoint, save_model
 from pflbench.data.batching import collate, dynamic_batches
 from pflbench.data.features import spec_augment as apply_spec_augment
 from pflbench.model.transformer import CTCTransformer, build_model, ctc_loss
@@ -307,31 +307,32 @@ def seed_model(
     key = seed_key(task, recipe, seed, data.tokenizer.vocab, digest)
     folder = Path(cache_dir) / "seeds" / f"{task.name}-{key[:16]}"
     path = folder / "seed.safetensors"
-    if path.is_file() and path.with_suffix(".json").is_file():
-        loaded, _ = load_model(path, device)
-        return loaded, path
-    stats = train_central(
-        model,
-        data.seed_train,
-        recipe.central,
-        recipe.spec_augment,
-        device=device,
-        seed=seed,
-        progress=progress,
-        resume_dir=folder,
-    )
-    meta = {
-        "kind": "seed",
-        "task": task.name,
-        "task_version": task.version,
-        "seed": seed,
-        "recipe": recipe.model_dump(mode="json"),
-        "vocab": data.tokenizer.vocab,
-        "seed_data_digest": digest,
-        "key": key,
-        "training": stats,
-    }
-    save_model(path, model, meta)
-    (folder / LAST).unlink(missing_ok=True)
-    (folder / LAST).with_suffix(".json").unlink(missing_ok=True)
-    return model.eval(), path
+    with exclusive(folder.with_name(folder.name + ".lock")):
+        if not (path.is_file() and path.with_suffix(".json").is_file()):
+            stats = train_central(
+                model,
+                data.seed_train,
+                recipe.central,
+                recipe.spec_augment,
+                device=device,
+                seed=seed,
+                progress=progress,
+                resume_dir=folder,
+            )
+            meta = {
+                "kind": "seed",
+                "task": task.name,
+                "task_version": task.version,
+                "seed": seed,
+                "recipe": recipe.model_dump(mode="json"),
+                "vocab": data.tokenizer.vocab,
+                "seed_data_digest": digest,
+                "key": key,
+                "training": stats,
+            }
+            save_model(path, model, meta)
+            (folder / LAST).unlink(missing_ok=True)
+            (folder / LAST).with_suffix(".json").unlink(missing_ok=True)
+            return model.eval(), path
+    loaded, _ = load_model(path, device)
+    return loaded, path

@@ -9,8 +9,11 @@ Both files are written to a temporary name and renamed, so a crash never leaves 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,9 +32,23 @@ def meta_path(path: Path) -> Path:
 
 def atomic_write(path: Path, write) -> None:
     """`write(tmp)` to a name beside `path`, then rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: writers never share one
     write(tmp)
     os.replace(tmp, path)
+
+
+@contextmanager
+def exclusive(lock_path: Path) -> Iterator[None]:
+    """Hold an exclusive lock on `lock_path` (created if needed): runs that share a cache (a sweep
+    with --jobs 2) build each cached artifact once instead of racing to write it."""
+    lock_path = Path(lock_path)
+    lock_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 def save_checkpoint(path: Path, tensors: dict[str, Tensor], meta: dict) -> None:

@@ -10,6 +10,7 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+from pflbench.checkpoint import exclusive
 from pflbench.data.corpora import (
     Entry,
     Skips,
@@ -186,7 +187,7 @@ def prepare_task(
     """Builds (or reuses) the feature store of every split the task uses."""
     cache_dir = Path(cache_dir or cache_dir_default())
     bars = _progress() if progress else None
-    with bars or nullcontext():
+    with exclusive(cache_dir / "prepare.lock"), bars or nullcontext():
         on_unit = None
         if (
             bars is not None
