@@ -78,6 +78,11 @@ def test_each_baseline_writes_a_valid_record(env, tmp_path, baseline):
     assert {h.step for h in record.metrics.history} == {2, 3}
     assert record.privacy.dp == (budget != "none")
     assert record.compute.central_steps == 3 and record.diagnostics.nonfinite_updates == 0
+    expected_groups = {"cv-test": {"age", "gender", "accent"}, "ls-dev-clean": {"gender"}}
+    for name, attributes in expected_groups.items():
+        result = record.metrics.final[name]
+        assert set(result.groups) == attributes  # the corpus's speaker attributes, each >= 2 groups
+        assert all(len(groups) >= 2 for groups in result.groups.values())
     assert record.diagnostics.private is False
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines if "loss" in x] == [0, 1, 2]

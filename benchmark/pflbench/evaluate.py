@@ -143,6 +143,25 @@ def transcribe(
     return out
 
 
+def group_counts(
+    speaker_counts: dict[str, tuple[int, int]], groups: dict[str, dict[str, str]]
+) -> dict[str, dict[str, dict]]:
+    """Per attribute and group: pooled word errors / words over the group's speakers (its WER)
+    and how many speakers it has. `groups`: attribute -> speaker -> group (speaker_groups);
+    a speaker the attribute does not cover is counted as "unreported"."""
+    out: dict[str, dict[str, dict]] = {}
+    for attribute, of_speaker in sorted(groups.items()):
+        pooled: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
+        for speaker, (errors, words) in speaker_counts.items():
+            g = pooled[of_speaker.get(speaker, "unreported")]
+            g[0], g[1], g[2] = g[0] + errors, g[1] + words, g[2] + 1
+        out[attribute] = {
+            name: {"errors": e, "words": n, "speakers": k, "wer": rate(e, n)}
+            for name, (e, n, k) in sorted(pooled.items())
+        }
+    return out
+
+
 def evaluate(model: CTCTransformer, store, tokenizer, *, device, batch_seconds=200.0) -> dict:
     return score(transcribe(model, store, tokenizer, device=device, batch_seconds=batch_seconds))
 

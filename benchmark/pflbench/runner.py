@@ -204,21 +204,28 @@ def privacy_claim(config: RunConfig, sigma_dp: float, population: int) -> dict:
 
 
 def evaluate(model: torch.nn.Module, data, config: RunConfig, roles: set[str], device: str) -> dict:
-    from pflbench.evaluate import evaluate_sets
+    from pflbench.evaluate import evaluate_sets, group_counts
 
     names = [e.name for e in config.task.eval_sets if e.role in roles]
     results = evaluate_sets(
         model, {n: data.eval_sets[n] for n in names}, data.tokenizer, device=device
     )
     roles_by_name = {e.name: e.role for e in config.task.eval_sets}
-    return {name: {"role": roles_by_name[name], **results[name]} for name in names}
+    return {
+        name: {
+            "role": roles_by_name[name],
+            **results[name],
+            "groups": group_counts(results[name]["speaker_counts"], data.eval_groups.get(name, {})),
+        }
+        for name in names
+    }
 
 
 def seed_model_results(model, data, config: RunConfig, device: str, seed_path) -> dict:
     """The starting model's dev/test summary. Every run of a task starts from the same seed
     model, so its evaluation is cached next to the checkpoint, keyed by the eval sets' data."""
     eval_sets = {e.name: [e.role, data.eval_sets[e.name].digest] for e in config.task.eval_sets}
-    key = canonical_json({"pflbench": __version__, "eval_sets": eval_sets})
+    key = canonical_json({"pflbench": __version__, "eval_sets": eval_sets, "summary": "groups"})
     cache = None
     if seed_path is not None:
         cache = Path(seed_path).with_name(
@@ -254,6 +261,7 @@ def eval_summary(results: dict) -> dict:
             "speaker_wer_p90": r.get("speaker_wer_p90"),
             "num_utterances": r.get("num_utterances"),
             "speakers": r.get("speaker_counts"),
+            "groups": r.get("groups") or None,
         }
         for name, r in results.items()
     }

@@ -275,6 +275,7 @@ def register(app: typer.Typer) -> None:
             None, "--run", help="A run folder: also plot its layer norms and training curves."
         ),
         out: Path = typer.Option(Path("plots"), "--out", help="Where the figures go."),
+        specs: list[Path] = SpecsOption,
     ) -> None:
         """Figures (PNG + SVG) from results/ and from run logs."""
         from pflbench.results.leaderboard import load_results
@@ -283,7 +284,8 @@ def register(app: typer.Typer) -> None:
         records = load_results(results)
         if task is not None and task not in {r.task.name for r in records}:
             raise UserError(f"--task {task!r}: no records of this task in {results}")
-        report = plot_results(records, out, task)
+        budgets = {name: loaded.spec for name, loaded in _registry(specs).budgets.items()}
+        report = plot_results(records, out, task, budgets)
         for run_dir in run or []:
             plot_run(run_dir, out / "runs", report)
         _print_plots(report)

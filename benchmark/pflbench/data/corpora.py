@@ -9,12 +9,15 @@ A data root may hold (exactly as downloaded, nothing renamed):
   Hugging Face datasets (save_to_disk folders or Parquet files, see hf.py).
 Text problems (empty or untokenizable transcripts, malformed rows) and missing audio files are
 skipped here and counted by reason; audio that cannot be decoded is counted when features are made.
+Speaker attributes for per-group WER come from Common Voice's age/gender/accents columns and
+LibriSpeech's SPEAKERS.TXT (gender); an attribute a speaker did not report is "unreported".
 """
 
 from __future__ import annotations
 
 import csv
 import re
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +25,9 @@ from pflbench.data.text import normalize, tokenizer_for
 from pflbench.errors import UserError
 
 CV_REQUIRED_COLUMNS = ("client_id", "path", "sentence")
+CV_ATTRIBUTE_COLUMNS = {"age": "age", "gender": "gender", "accent": "accents"}
+LS_GENDERS = {"F": "female", "M": "male"}
+UNREPORTED = "unreported"
 MAX_EXAMPLES = 5
 
 
@@ -36,6 +42,7 @@ class Entry:
     raw_text: str
     text: str  # normalized
     corpus: str
+    attributes: tuple[tuple[str, str], ...] = ()  # (name, value) of the speaker: age, gender, ...
 
 
 @dataclass
@@ -71,9 +78,25 @@ class Skips:
         return sum(self.counts.values())
 
 
+def speaker_groups(entries: list[Entry]) -> dict[str, dict[str, str]]:
+    """attribute -> speaker -> group, for the attributes that split the speakers into >= 2 groups.
+    Common Voice stores attributes per clip; a speaker whose clips disagree gets the value most of
+    them carry (ties broken alphabetically)."""
+    votes: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
+    for e in entries:
+        for name, value in e.attributes:
+            votes[name][e.user_id][value] += 1
+    groups = {}
+    for name, by_speaker in sorted(votes.items()):
+        chosen = {s: min(c, key=lambda v: (-c[v], v)) for s, c in sorted(by_speaker.items())}
+        if len(set(chosen.values())) >= 2:
+            groups[name] = chosen
+    return groups
+
+
 def make_entry(
     utt_id: str, user_id: str, split: str, audio: str, raw: str, corpus: str, language: str,
-    skips: Skips,
+    skips: Skips, attributes: tuple[tuple[str, str], ...] = (),
 ) -> Entry | None:  # fmt: skip
     """The entry, or None (counted in `skips`) when the transcript has nothing to learn from."""
     if not raw.strip():
@@ -86,7 +109,7 @@ def make_entry(
     if tokenizer_for(language).unknown_characters(text):
         skips.add("characters_outside_token_set", utt_id)
         return None
-    return Entry(utt_id, user_id, split, audio, raw, text, corpus)
+    return Entry(utt_id, user_id, split, audio, raw, text, corpus, attributes)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -110,6 +133,7 @@ _LS_LINE = re.compile(r"^(\d+-\d+-\d+)(?:\s+(.*))?$")
 def librispeech_manifest(subset_dir: Path, subset: str, language: str, skips: Skips) -> list[Entry]:
     """User = speaker id (not speaker-chapter)."""
     entries, described = [], set()
+    genders = librispeech_genders(subset_dir)
     for trans in sorted(subset_dir.glob("*/*/*.trans.txt")):
         for n, line in enumerate(trans.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
@@ -124,8 +148,10 @@ def librispeech_manifest(subset_dir: Path, subset: str, language: str, skips: Sk
             if not audio.is_file():
                 skips.add("missing_audio_file", utt_id)
                 continue
-            entry = make_entry(utt_id, utt_id.split("-")[0], subset, str(audio), raw,
-                               "librispeech", language, skips)  # fmt: skip
+            speaker = utt_id.split("-")[0]
+            gender = (("gender", genders.get(speaker, UNREPORTED)),) if genders else ()
+            entry = make_entry(utt_id, speaker, subset, str(audio), raw, "librispeech", language,
+                               skips, gender)  # fmt: skip
             if entry:
                 entries.append(entry)
     for flac in sorted(subset_dir.glob("*/*/*.flac")):
@@ -167,6 +193,21 @@ def commonvoice_looked_for(root: Path, locale: str, split: str) -> list[str]:
     ]
 
 
+def librispeech_genders(subset_dir: Path) -> dict[str, str]:
+    """Speaker id -> female/male from SPEAKERS.TXT beside the subset folder ({} without one);
+    a line that is not `ID | SEX | ...` is ignored (the file is documentation, not data)."""
+    path = subset_dir.parent / "SPEAKERS.TXT"
+    if not path.is_file():
+        return {}
+    genders = {}
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        fields = [f.strip() for f in line.split("|")]
+        if line.startswith(";") or len(fields) < 2 or fields[1] not in LS_GENDERS:
+            continue
+        genders[fields[0]] = LS_GENDERS[fields[1]]
+    return genders
+
+
 def commonvoice_manifest(tsv: Path, split: str, language: str, skips: Skips) -> list[Entry]:
     """User = client_id. Columns by header name; quoting off (real CV has unbalanced quotes)."""
     clips = tsv.parent / "clips"
@@ -177,6 +218,7 @@ def commonvoice_manifest(tsv: Path, split: str, language: str, skips: Skips) -> 
         if missing:
             raise UserError(f"{tsv}: header lacks column(s) {', '.join(missing)} (got {header})")
         col = {name: header.index(name) for name in CV_REQUIRED_COLUMNS}
+        attribute_col = {a: header.index(c) for a, c in CV_ATTRIBUTE_COLUMNS.items() if c in header}
         entries, seen = [], set()
         for n, row in enumerate(rows, 2):
             if len(row) != len(header):
@@ -191,8 +233,10 @@ def commonvoice_manifest(tsv: Path, split: str, language: str, skips: Skips) -> 
             if not (clips / path).is_file():
                 skips.add("missing_audio_file", utt_id)
                 continue
+            attributes = tuple((a, row[i].strip() or UNREPORTED) for a, i in attribute_col.items())
             entry = make_entry(utt_id, row[col["client_id"]], split, str(clips / path),
-                               row[col["sentence"]], "commonvoice", language, skips)  # fmt: skip
+                               row[col["sentence"]], "commonvoice", language, skips,
+                               attributes)  # fmt: skip
             if entry:
                 entries.append(entry)
     return entries

@@ -7,7 +7,7 @@ import json
 import os
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pflbench.checkpoint import exclusive
@@ -20,6 +20,7 @@ from pflbench.data.corpora import (
     librispeech_looked_for,
     librispeech_manifest,
     librispeech_subset_dir,
+    speaker_groups,
 )
 from pflbench.data.features import FEATURE_CONFIG
 from pflbench.data.hf import (
@@ -47,6 +48,8 @@ class TaskData:
     federated_train: FeatureStore
     eval_sets: dict[str, FeatureStore]
     report: dict  # per split: skipped counts by reason + example ids, user digest, sizes
+    # per eval set: attribute -> speaker -> group (age, gender, accent), for per-group WER
+    eval_groups: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
 
 
 def cache_dir_default() -> Path:
@@ -214,8 +217,11 @@ def prepare_task(
             stores[name] = prepare_split(
                 name, label, entries, info, skips, language, cache_dir, bars
             )
+        eval_groups = {}
         for ev in task.eval_sets:
-            stores[f"eval:{ev.name}"] = prepare_eval(ev, root, language, cache_dir, bars)
+            stores[f"eval:{ev.name}"], eval_groups[ev.name] = prepare_eval(
+                ev, root, language, cache_dir, bars
+            )
     report = {name: store.stats() for name, store in stores.items()}
     return TaskData(
         tokenizer=tokenizer_for(language),
@@ -223,17 +229,22 @@ def prepare_task(
         federated_train=stores["federated"],
         eval_sets={ev.name: stores[f"eval:{ev.name}"] for ev in task.eval_sets},
         report=report,
+        eval_groups=eval_groups,
     )
 
 
-def prepare_eval(ev: EvalSet, root: Path, language: str, cache_dir: Path, bars) -> FeatureStore:
+def prepare_eval(
+    ev: EvalSet, root: Path, language: str, cache_dir: Path, bars
+) -> tuple[FeatureStore, dict[str, dict[str, str]]]:
+    """The eval set's feature store and its speakers' groups (`speaker_groups`)."""
     skips = Skips()
     entries = subset_manifest(root, ev.corpus, ev.subset, ev.locale, language, skips)
     if not entries:
         raise UserError(f"eval set {ev.name!r} ({ev.corpus} {ev.subset}) has no usable utterances")
     info = {"users_digest": users_digest(e.user_id for e in entries)}
     label = split_label(ev.corpus, [ev.subset], ev.locale)
-    return prepare_split(ev.name, label, entries, info, skips, language, cache_dir, bars)
+    store = prepare_split(ev.name, label, entries, info, skips, language, cache_dir, bars)
+    return store, speaker_groups(entries)
 
 
 def _progress():

@@ -2,8 +2,10 @@
 
 Per task a section, per budget a table. Seeds of one (task, baseline, budget, config without the
 seed) are one row: mean ± std and n. Rows are ranked by the mean WER over the task's test sets.
-Privacy-audit runs (their model carries canaries) are not ranked: each task lists them in a
-"privacy audit" table, audit ε next to the accountant's ε at the simulated scale.
+A per-group table (worst speaker group, DP's cost per group; results/groups.py) follows where
+records carry group WERs. Privacy-audit runs (their model carries canaries) are not ranked:
+each task lists them in a "privacy audit" table, audit ε next to the accountant's ε at the
+simulated scale.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pflbench.errors import UserError
+from pflbench.results.groups import render_groups
 from pflbench.results.schema import ResultRecord, load_record
 from pflbench.results.stats import row_interval
 from pflbench.spec.models import Budget
@@ -335,6 +338,10 @@ def budget_title(name: str, budget: Budget | None) -> str:
     )
 
 
+def is_dp(name: str, budgets: dict[str, Budget]) -> bool:
+    return budgets[name].dp if name in budgets else name != "none"
+
+
 def budget_order(name: str, budget: Budget | None) -> tuple:
     if budget is None:
         return (2, 0.0, name)
@@ -367,6 +374,9 @@ def render_leaderboard(
         for name in sorted(by_budget, key=lambda n: budget_order(n, budgets.get(n))):
             parts.append(budget_title(name, budgets.get(name)) + "\n")
             parts.append(render_table(group_rows(by_budget[name]), columns, roles, version))
+        groups = render_groups(group_rows(task_records), lambda b: is_dp(b, budgets), cell)
+        if groups:
+            parts.append(groups)
         if audits:
             parts.append(render_audits(audits))
         if task in sections:

@@ -2,7 +2,8 @@
 
 Result figures (per task): WER vs σ_DP per clipping mode (paper Figs. 12-13), the privacy-utility
 frontier (WER vs ε at the extrapolated scale), WER vs cohort size (Figs. 3-4), and audit ε vs the
-accountant's ε at the simulated scale for privacy-audit runs (not in the WER figures). Run figures
+accountant's ε at the simulated scale for privacy-audit runs (not in the WER figures), and
+per-group WER and DP's cost per speaker group (results/groups.py). Run figures
 (from a run's metrics.jsonl): per-layer client-delta norms (Fig. 6) and training curves.
 """
 
@@ -20,12 +21,20 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
+from pflbench.results.groups import (  # noqa: E402
+    MIN_SPEAKERS,
+    UNREPORTED,
+    group_eval_set,
+    partner_key,
+    row_group_wers,
+)
 from pflbench.results.leaderboard import (  # noqa: E402
     Row,
     cohort_size,
     epsilon,
     group_rows,
     is_audit,
+    is_dp,
 )
 from pflbench.results.schema import ResultRecord, safe_name  # noqa: E402
 
@@ -140,13 +149,16 @@ def pareto_front(pts: list[Point]) -> list[Point]:
 # Result figures
 
 
-def plot_task(records: list[ResultRecord], task: str, out_dir: Path, report: PlotReport) -> None:
+def plot_task(
+    records: list[ResultRecord], task: str, out_dir: Path, report: PlotReport, budgets=None
+) -> None:
     safe_name(task, "task name")
     records = [r for r in records if r.task.name == task]
     plot_audits([r for r in records if is_audit(r)], task, out_dir, report)
     records = [r for r in records if not is_audit(r)]  # their models carry canaries
     rows, sets = group_rows(records), test_sets(records)
     ylabel = "test WER (%)"
+    plot_groups(rows, task, lambda b: is_dp(b, budgets or {}), out_dir, report)
 
     pts = points(rows, sets, sigma_of, clipping_mode)
     if pts:
@@ -189,6 +201,58 @@ def plot_task(records: list[ResultRecord], task: str, out_dir: Path, report: Plo
         report.skipped.append(f"{task}-wer-vs-cohort: fewer than two cohort sizes")
 
 
+MAX_GROUP_SERIES = 8  # more dot series than this cannot be told apart
+
+
+def plot_groups(rows: list[Row], task: str, is_dp, out_dir: Path, report: PlotReport) -> None:
+    """Per-group WER (each attribute a panel, each ranked group a column, each row a series)
+    and DP's cost per group (group WER under the budget minus the no-DP partner's)."""
+    eval_set = group_eval_set([r for row in rows for r in row.records])
+    if eval_set is None:
+        report.skipped.append(f"{task}-group-wer: no records with per-group WER")
+        return
+    found = [(row, row_group_wers(row.records, eval_set)) for row in rows]
+    found = [(row, g) for row, g in found if g]
+    no_dp = {partner_key(row.first): g for row, g in found if not is_dp(row.first.budget)}
+    gaps = [
+        (row, {a: {n: v.wer - no_dp[partner_key(row.first)][a][n].wer
+                   for n, v in by_name.items() if n in no_dp[partner_key(row.first)].get(a, {})}
+               for a, by_name in g.items()})
+        for row, g in found
+        if is_dp(row.first.budget) and partner_key(row.first) in no_dp
+    ]  # fmt: skip
+    wers = [(row, {a: {n: v.wer for n, v in by_name.items()} for a, by_name in g.items()})
+            for row, g in found]  # fmt: skip
+    ranked = {
+        a: sorted(n for n, v in by_name.items() if n != UNREPORTED and v.speakers >= MIN_SPEAKERS)
+        for _, g in found
+        for a, by_name in g.items()
+    }
+    for stem, series, ylabel in (
+        (f"{task}-group-wer", wers, f"{eval_set} WER (%) of the group"),
+        (f"{task}-group-dp-gap", gaps, "WER under DP − WER without DP (points)"),
+    ):
+        if not series:
+            report.skipped.append(f"{stem}: no rows to draw")
+            continue
+        series = sorted(series, key=lambda t: (-len(t[0].records), t[0].first.baseline,
+                                               t[0].first.budget))[:MAX_GROUP_SERIES]  # fmt: skip
+        attributes = [a for a in sorted(ranked) if ranked[a]]
+        fig, axes = new_figure(
+            f"{task}: {ylabel.split(' (')[0]} per speaker group", len(attributes)
+        )
+        for ax, attribute in zip(axes, attributes, strict=True):
+            names = ranked[attribute]
+            for i, (row, values) in enumerate(series):
+                ys = [100 * values.get(attribute, {}).get(n, math.nan) for n in names]
+                label = f"{row.first.baseline} / {row.first.budget} (n={len(row.records)})"
+                ax.plot(range(len(names)), ys, marker="o", color=f"C{i}", alpha=0.8, label=label)
+            ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize="small")
+            ax.set(title=attribute, ylabel=ylabel if ax is axes[0] else None)
+        axes[0].legend(fontsize="x-small")
+        save(fig, out_dir, stem, report)
+
+
 def plot_audits(records: list[ResultRecord], task: str, out_dir: Path, report: PlotReport) -> None:
     """Audit ε (estimate, and lower bound below it) against the accountant's ε at the simulated
     scale, one series per baseline / budget; the diagonal is where the audit would meet it."""
@@ -225,11 +289,14 @@ def plot_audits(records: list[ResultRecord], task: str, out_dir: Path, report: P
     save(fig, out_dir, stem, report)
 
 
-def plot_results(records: list[ResultRecord], out_dir: Path, task: str | None = None) -> PlotReport:
+def plot_results(
+    records: list[ResultRecord], out_dir: Path, task: str | None = None, budgets=None
+) -> PlotReport:
+    """budgets: name -> Budget, to tell DP budgets from no-DP ones (else: "none" is no DP)."""
     report = PlotReport()
     with plt.rc_context(STYLE):
         for name in sorted({r.task.name for r in records} if task is None else {task}):
-            plot_task(records, name, Path(out_dir), report)
+            plot_task(records, name, Path(out_dir), report, budgets)
     return report
 
 

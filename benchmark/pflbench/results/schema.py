@@ -50,6 +50,13 @@ class TaskRef(Strict):
     version: int = Field(ge=1)
 
 
+class GroupResult(Strict):
+    errors: Count
+    words: Count
+    speakers: Count
+    wer: float | None = Field(None, ge=0, description="errors / words; null without words.")
+
+
 class EvalResult(Strict):
     role: Literal["dev", "test"]
     wer: float = Field(ge=0, description="Word error rate as a fraction (0.2 = 20%).")
@@ -64,6 +71,36 @@ class EvalResult(Strict):
         description="Per speaker (word errors, reference words): what a speaker-level bootstrap "
         "of the WER resamples (pflbench.results.stats).",
     )
+    groups: dict[str, dict[str, GroupResult]] | None = Field(
+        None,
+        description="Per speaker attribute (age, gender, accent, as the corpus reports them) and "
+        "group: the pooled WER over the group's speakers.",
+    )
+
+    @model_validator(mode="after")
+    def _groups_partition_the_speakers(self) -> EvalResult:
+        """Each attribute's groups must add up to the speakers' counts (a tampered group is
+        caught here, since group WERs feed the leaderboard's worst-group column)."""
+        if not self.groups or not self.speakers:
+            return self
+        totals = (
+            sum(e for e, _ in self.speakers.values()),
+            sum(n for _, n in self.speakers.values()),
+            len(self.speakers),
+        )
+        for attribute, groups in self.groups.items():
+            summed = tuple(
+                sum(getattr(g, f) for g in groups.values()) for f in ("errors", "words", "speakers")
+            )
+            if summed != totals:
+                raise ValueError(
+                    f"groups[{attribute!r}] add up to (errors, words, speakers) {summed}, "
+                    f"but the speakers to {totals}"
+                )
+            for name, g in groups.items():
+                if g.words and (g.wer is None or abs(g.wer - g.errors / g.words) > 1e-9):
+                    raise ValueError(f"groups[{attribute!r}][{name!r}].wer is not errors / words")
+        return self
 
 
 class HistoryPoint(Strict):
