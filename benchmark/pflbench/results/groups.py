@@ -26,13 +26,14 @@ class GroupWer:
     speakers: int
 
 
+def with_group_counts(records, eval_set: str) -> list[ResultRecord]:
+    """The records (seeds) whose result on `eval_set` carries group counts."""
+    return [r for r in records if eval_set in r.metrics.final and r.metrics.final[eval_set].groups]
+
+
 def row_group_wers(records, eval_set: str) -> dict[str, dict[str, GroupWer]]:
     """attribute -> group -> mean WER over the records (seeds) that carry groups."""
-    per_seed = [
-        r.metrics.final[eval_set].groups
-        for r in records
-        if eval_set in r.metrics.final and r.metrics.final[eval_set].groups
-    ]
+    per_seed = [r.metrics.final[eval_set].groups for r in with_group_counts(records, eval_set)]
     out: dict[str, dict[str, GroupWer]] = {}
     for attribute in sorted({a for groups in per_seed for a in groups}):
         names = sorted({g for groups in per_seed for g in groups.get(attribute, {})})
@@ -95,8 +96,8 @@ def render_groups(rows, is_dp, cell) -> str:
     lines = [
         f"### per-group WER on {cell(eval_set)}\n",
         "WER in % of each speaker group (the corpus's age, gender and accent labels), mean over "
-        f"seeds. Worst group: the highest WER among groups of ≥ {MIN_SPEAKERS} speakers "
-        "(unreported left out).\n",
+        "the seeds whose records carry group counts. Worst group: the highest WER among groups "
+        f"of ≥ {MIN_SPEAKERS} speakers (unreported left out).\n",
         "| baseline | budget | seeds | WER | worst group | worst-group WER | best-group WER |",
         "|---|---|---|---|---|---|---|",
     ]
@@ -108,9 +109,9 @@ def render_groups(rows, is_dp, cell) -> str:
             for name, g in by_name.items()
             if name != UNREPORTED and g.speakers >= MIN_SPEAKERS
         ]
-        wer = statistics.fmean(row.wers(eval_set))
-        cells = [cell(row.first.baseline), cell(row.first.budget), str(len(row.records))]
-        cells += [_pct(wer)]
+        wers = [r.metrics.final[eval_set].wer for r in with_group_counts(row.records, eval_set)]
+        cells = [cell(row.first.baseline), cell(row.first.budget), str(len(wers))]
+        cells += [_pct(statistics.fmean(wers))]
         if worst is None:
             cells += ["–", "–", "–"]
         else:
