@@ -146,7 +146,7 @@ def test_seed_training_sums_each_parameters_squared_gradient_norm_before_clippin
         assert abs(sums[name] - value) <= 1e-4 * value + 1e-12, name
 
 
-def test_seed_model_is_trained_once_then_reused(tmp_path):
+def _seeded_task(tmp_path):
     task = Task.model_validate(
         {
             "name": "t",
@@ -168,6 +168,11 @@ def test_seed_model_is_trained_once_then_reused(tmp_path):
         eval_sets={},
         report={},
     )
+    return task, recipe, data
+
+
+def test_seed_model_is_trained_once_then_reused(tmp_path):
+    task, recipe, data = _seeded_task(tmp_path)
     model, path = seed_model(
         task, recipe, data, seed=1, device="cpu", cache_dir=tmp_path, progress=False
     )
@@ -232,3 +237,25 @@ def test_seed_training_overfits_tone_speech_to_zero_wer(tmp_path):
     assert after["per_speaker"] == {"spk0": 0.0, "spk1": 0.0, "spk2": 0.0}
     assert (after["num_utterances"], after["num_words"]) == (8, sum(len(t.split()) for t in TEXTS))
     assert stats["steps_this_run"] == 150 and stats["seconds_of_audio"] > 0
+
+
+def _seed_weights(tmp_path, caller_threads: int) -> dict[str, torch.Tensor]:
+    task, recipe, data = _seeded_task(tmp_path)
+    before = torch.get_num_threads()
+    torch.set_num_threads(caller_threads)
+    try:
+        model, _ = seed_model(
+            task, recipe, data, seed=1, device="cpu", cache_dir=tmp_path / "cache", progress=False
+        )
+        assert torch.get_num_threads() == caller_threads  # restored after seed training
+    finally:
+        torch.set_num_threads(before)
+    return model.state_dict()
+
+
+def test_the_seed_model_does_not_depend_on_the_callers_thread_count(tmp_path):
+    """A sweep with --jobs 2 runs with one thread, a lone run with all cores: both must start
+    from the same seed weights (float sums depend on the thread count)."""
+    one, two = _seed_weights(tmp_path / "a", 1), _seed_weights(tmp_path / "b", 2)
+    for name, a in one.items():
+        assert torch.equal(a, two[name]), name

@@ -4,6 +4,7 @@ kill-and-resume ends in the same model, a NaN client is zeroed and counted, bad 
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -78,6 +79,8 @@ def test_each_baseline_writes_a_valid_record(env, tmp_path, baseline):
     assert {h.step for h in record.metrics.history} == {2, 3}
     assert record.privacy.dp == (budget != "none")
     assert record.compute.central_steps == 3 and record.diagnostics.nonfinite_updates == 0
+    assert re.fullmatch(r"[0-9a-f]{64}", record.data.digests["seed_model"])  # starting weights
+    assert record.compute.intra_op_threads >= 1
     expected_groups = {"cv-test": {"age", "gender", "accent"}, "ls-dev-clean": {"gender"}}
     for name, attributes in expected_groups.items():
         result = record.metrics.final[name]

@@ -24,6 +24,7 @@ from torch import Tensor, nn
 from pflbench.checkpoint import exclusive, load_checkpoint, load_model, save_checkpoint, save_model
 from pflbench.data.batching import collate, dynamic_batches
 from pflbench.data.features import spec_augment as apply_spec_augment
+from pflbench.data.store import torch_threads
 from pflbench.model.transformer import CTCTransformer, build_model, ctc_loss
 from pflbench.progress import make_progress
 from pflbench.spec.models import CentralRecipe, Recipe, SpecAugmentRecipe, Task
@@ -272,6 +273,11 @@ def train_central(
 # 2 = the sidecar holds layer_grad_sq_sums (layer freezing's scores).
 SEED_FORMAT = 2
 
+# The seed model is trained with this many CPU threads whatever the run's own count (a sweep's
+# --jobs 2 gives each run one): float sums depend on it, and every run of a task must start from
+# the same weights. One thread: the count every machine has.
+SEED_TRAINING_THREADS = 1
+
 
 def seed_key(task: Task, recipe: Recipe, seed: int, vocab: list[str], digest: str) -> str:
     parts = {
@@ -284,6 +290,7 @@ def seed_key(task: Task, recipe: Recipe, seed: int, vocab: list[str], digest: st
         "seed": seed,
         "vocab": vocab,
         "data_digest": digest,
+        "cpu_threads": SEED_TRAINING_THREADS,
     }
     return hashlib.sha256(canonical_json(parts).encode()).hexdigest()
 
@@ -309,16 +316,17 @@ def seed_model(
     path = folder / "seed.safetensors"
     with exclusive(folder.with_name(folder.name + ".lock")):
         if not (path.is_file() and path.with_suffix(".json").is_file()):
-            stats = train_central(
-                model,
-                data.seed_train,
-                recipe.central,
-                recipe.spec_augment,
-                device=device,
-                seed=seed,
-                progress=progress,
-                resume_dir=folder,
-            )
+            with torch_threads(SEED_TRAINING_THREADS):
+                stats = train_central(
+                    model,
+                    data.seed_train,
+                    recipe.central,
+                    recipe.spec_augment,
+                    device=device,
+                    seed=seed,
+                    progress=progress,
+                    resume_dir=folder,
+                )
             meta = {
                 "kind": "seed",
                 "task": task.name,

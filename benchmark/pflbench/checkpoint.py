@@ -10,6 +10,7 @@ Both files are written to a temporary name and renamed, so a crash never leaves 
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -49,6 +50,16 @@ def exclusive(lock_path: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def tensors_digest(path: Path) -> str:
+    """sha256 over a checkpoint's tensors (names, dtypes, shapes, bytes): identifies the weights
+    independently of the sidecar's metadata."""
+    h = hashlib.sha256()
+    for name, t in sorted(load_file(str(path)).items()):
+        h.update(f"{name}\t{t.dtype}\t{tuple(t.shape)}\n".encode())
+        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def save_checkpoint(path: Path, tensors: dict[str, Tensor], meta: dict) -> None:

@@ -521,7 +521,7 @@ def _run(config, run_dir, ctx, device, options: RunOptions, started: float):
         write_utterance_errors(run_dir, final)
         record = build_record(
             config, data, lines, final, seed_results, sigma_dp, population, ctx, device,
-            sim.model, sim.client.group_size, wall, sim.audit,
+            sim.model, sim.client.group_size, wall, sim.audit, seed_path,
         )  # fmt: skip
         write_atomic(run_dir / "record.json", json.dumps(record, indent=2, sort_keys=True) + "\n")
         write_atomic(run_dir / "DONE", datetime.now(UTC).isoformat() + "\n")
@@ -559,8 +559,9 @@ def _run_without_fl(config, run_dir, ctx, device, data, model, seed_path, option
     write_utterance_errors(run_dir, final)
     wall = time.perf_counter() - started
     record = build_record(
-        config, data, lines, final, seed_results, 0.0, 0, ctx, device, model, 1, wall
-    )
+        config, data, lines, final, seed_results, 0.0, 0, ctx, device, model, 1, wall,
+        seed_path=seed_path,
+    )  # fmt: skip
     write_atomic(run_dir / "record.json", json.dumps(record, indent=2, sort_keys=True) + "\n")
     write_atomic(run_dir / "DONE", datetime.now(UTC).isoformat() + "\n")
     return run_dir
@@ -588,6 +589,7 @@ def build_record(
     parallel_clients: int,
     wall_seconds: float,
     audit=None,
+    seed_path: Path | None = None,
 ) -> dict:
     from pflbench.results.schema import RECORD_SCHEMA_VERSION, ResultRecord, compute_record_id
 
@@ -619,7 +621,7 @@ def build_record(
         "privacy": privacy_claim(config, sigma_dp, population),
         "compute": compute_info(config, steps, ctx, device, model, parallel_clients, wall_seconds),
         "software": software_info(),
-        "data": data_info(data),
+        "data": data_info(data, seed_path),
         "diagnostics": {
             "private": False,  # computed from raw client updates, like metrics.jsonl's
             "nonfinite_updates": sum(x["nonfinite_updates"] for x in steps),
@@ -655,6 +657,7 @@ def compute_info(
         if cuda
         else platform.processor() or platform.machine(),
         "num_processes": ctx.world_size,
+        "intra_op_threads": None if cuda else torch.get_num_threads(),
         "parallel_clients": parallel_clients,
         "gpu_hours": wall * ctx.world_size / 3600 if cuda else 0.0,
         "central_steps": len(steps),
@@ -694,10 +697,14 @@ def software_info() -> dict:
     }
 
 
-def data_info(data) -> dict:
+def data_info(data, seed_path: Path | None) -> dict:
+    from pflbench.checkpoint import tensors_digest
+
     digests = {"federated_train": data.federated_train.digest}
     if data.seed_train is not None:
         digests["seed_train"] = data.seed_train.digest
+    if seed_path is not None:  # the starting weights: runs are comparable only from the same ones
+        digests["seed_model"] = tensors_digest(seed_path)
     digests.update({name: store.digest for name, store in data.eval_sets.items()})
     skipped = {split: stats.get("skipped", {}) for split, stats in data.report.items()}
     return {"digests": digests, "skipped": skipped}

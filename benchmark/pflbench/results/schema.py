@@ -217,6 +217,11 @@ class Compute(Strict):
     device: str | None = None
     device_name: str | None = None
     num_processes: int | None = None
+    intra_op_threads: int | None = Field(
+        None,
+        description="torch's CPU threads per process: float sums, hence the numbers, depend on "
+        "it; a CPU run is bitwise reproducible with the same torch build, CPU and thread count.",
+    )
     parallel_clients: int | None = None  # clients trained at once per process (fl.parallel)
     gpu_hours: float | None = None
     central_steps: int | None = None
