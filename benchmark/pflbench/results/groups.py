@@ -60,6 +60,14 @@ def worst_group(groups: dict[str, dict[str, GroupWer]]) -> tuple[str, str, Group
     return attribute, name, g
 
 
+def row_label(record: ResultRecord) -> str:
+    """The baseline, with the run's --set overrides when it has any (a cohort-sweep row)."""
+    overrides = (record.config or {}).get("overrides") or {}
+    if not overrides:
+        return record.baseline
+    return f"{record.baseline} [{', '.join(f'{k}={v}' for k, v in sorted(overrides.items()))}]"
+
+
 def partner_key(record: ResultRecord) -> tuple[str, str]:
     """Rows that differ only in the seed and the budget share this key."""
     config = {k: v for k, v in (record.config or {}).items() if k not in ("seed", "budget")}
@@ -110,7 +118,7 @@ def render_groups(rows, is_dp, cell) -> str:
             if name != UNREPORTED and g.speakers >= MIN_SPEAKERS
         ]
         wers = [r.metrics.final[eval_set].wer for r in with_group_counts(row.records, eval_set)]
-        cells = [cell(row.first.baseline), cell(row.first.budget), str(len(wers))]
+        cells = [cell(row_label(row.first)), cell(row.first.budget), str(len(wers))]
         cells += [_pct(statistics.fmean(wers))]
         if worst is None:
             cells += ["–", "–", "–"]
@@ -162,7 +170,7 @@ def render_dp_gaps(with_groups, is_dp, cell) -> str:
             "|" + "---|" * len(head),
         ]
         for row, groups, base in pairs:
-            cells = [cell(row.first.baseline), cell(row.first.budget)]
+            cells = [cell(row_label(row.first)), cell(row.first.budget)]
             for n in names:
                 a, b = groups.get(attribute, {}).get(n), base.get(attribute, {}).get(n)
                 cells.append("–" if a is None or b is None else f"{100 * (a.wer - b.wer):+.2f}")

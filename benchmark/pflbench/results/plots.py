@@ -27,6 +27,7 @@ from pflbench.results.groups import (  # noqa: E402
     group_eval_set,
     partner_key,
     row_group_wers,
+    row_label,
 )
 from pflbench.results.leaderboard import (  # noqa: E402
     Row,
@@ -245,7 +246,7 @@ def plot_groups(rows: list[Row], task: str, is_dp, out_dir: Path, report: PlotRe
             names = ranked[attribute]
             for i, (row, values) in enumerate(series):
                 ys = [100 * values.get(attribute, {}).get(n, math.nan) for n in names]
-                label = f"{row.first.baseline} / {row.first.budget} (n={len(row.records)})"
+                label = f"{row_label(row.first)} / {row.first.budget} (n={len(row.records)})"
                 ax.plot(range(len(names)), ys, marker="o", color=f"C{i}", alpha=0.8, label=label)
             ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize="small")
             ax.set(title=attribute, ylabel=ylabel if ax is axes[0] else None)
