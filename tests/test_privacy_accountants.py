@@ -7,12 +7,8 @@ import math
 import pytest
 
 from pflbench.errors import UserError
-from pflbench.privacy.accountants import (
-    RDP_ORDERS,
-    calibrate_noise,
-    compute_epsilon,
-    rdp_epsilon,
-)
+from pflbench.privacy.accountants import calibrate_noise, compute_epsilon
+from pflbench.privacy.rdp import RDP_ORDERS, rdp_epsilon
 from pflbench.privacy.statement import budget_noise, privacy_statement
 from pflbench.spec.models import Budget
 
