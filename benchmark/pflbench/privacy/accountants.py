@@ -4,6 +4,7 @@ Each accountant is one module with an `ACCOUNTANT` (pflbench.privacy.accounting.
 
 - "rdp": Renyi DP via opacus (the paper's moments accountant; pflbench.privacy.rdp).
 - "pld": privacy loss distributions via dp_accounting, tighter (pflbench.privacy.pld).
+- "prv": privacy random variables via prv_accountant, a cross-check (pflbench.privacy.prv).
 
 Everything that enumerates accountants (budgets' and records' schemas, CLI choices, privacy
 statements, exports, benches) derives from ACCOUNTANTS: adding one is a module, a line below and
@@ -16,10 +17,12 @@ import math
 from typing import Literal
 
 from pflbench.errors import UserError
-from pflbench.privacy import pld, rdp
+from pflbench.privacy import pld, prv, rdp
 from pflbench.privacy.accounting import Accountant, EpsilonResult
 
-ACCOUNTANTS: dict[str, Accountant] = {a.name: a for a in (rdp.ACCOUNTANT, pld.ACCOUNTANT)}
+ACCOUNTANTS: dict[str, Accountant] = {
+    a.name: a for a in (rdp.ACCOUNTANT, pld.ACCOUNTANT, prv.ACCOUNTANT)
+}
 # The ones a budget may name (they calibrate z and carry the record's claim).
 CALIBRATING: tuple[str, ...] = tuple(name for name, a in ACCOUNTANTS.items() if a.calibrates)
 
