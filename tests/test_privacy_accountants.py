@@ -7,12 +7,8 @@ import math
 import pytest
 
 from pflbench.errors import UserError
-from pflbench.privacy.accountants import (
-    RDP_ORDERS,
-    calibrate_noise,
-    compute_epsilon,
-    rdp_epsilon,
-)
+from pflbench.privacy.accountants import ACCOUNTANTS, calibrate_noise, compute_epsilon
+from pflbench.privacy.rdp import RDP_ORDERS, rdp_epsilon
 from pflbench.privacy.statement import budget_noise, privacy_statement
 from pflbench.spec.models import Budget
 
@@ -239,7 +235,7 @@ def test_statement_at_simulated_and_extrapolated_scale():
 def test_statement_without_noise_says_no_dp():
     statement = privacy_statement(0.0, 0.01, 1024, 34_753, 2000, DELTA, "poisson", None)
     assert statement["dp"] is False and statement["extrapolated"] is None
-    assert statement["simulated"]["epsilon"] == {"rdp": None, "pld": None}
+    assert statement["simulated"]["epsilon"] == dict.fromkeys(ACCOUNTANTS)
 
 
 def test_statement_records_a_skipped_pld_instead_of_failing():

@@ -7,7 +7,8 @@ import sys
 import pytest
 
 from pflbench.cli import main
-from pflbench.privacy.accountants import compute_epsilon
+from pflbench.privacy.accountants import ACCOUNTANTS, compute_epsilon
+from pflbench.privacy.accounting import Accountant, EpsilonResult
 
 TABLE_1 = ["--delta", "1e-9"]
 
@@ -30,10 +31,29 @@ def test_epsilon_json_matches_the_library(capsys, monkeypatch):
     )
     assert code == 0
     record = json.loads(out)
-    assert set(record) == {"rdp", "pld"}
+    assert set(record) == set(ACCOUNTANTS) == {"rdp", "pld", "prv"}
     assert record["rdp"]["epsilon"] == compute_epsilon(0.6144, 0.00295, 2034, 1e-9).epsilon
     assert record["rdp"]["order"] == 4.0 and record["rdp"]["details"]["orders"][0] == 1.1
     assert record["pld"]["epsilon"] <= record["rdp"]["epsilon"]
+    assert record["prv"]["epsilon"] <= record["rdp"]["epsilon"]
+
+
+def test_epsilon_all_says_why_an_accountant_cannot_compute(capsys, monkeypatch):
+    # RDP 1.1e7, PLD 5.3e5: PRV says why it does not compute one.
+    args = ["--noise-multiplier", "0.01024", "--sampling-rate", "0.0295", "--steps", "2006"]
+    code, out, _ = run_cli(
+        ["privacy", "epsilon", *args, *TABLE_1, "--accountant", "all", "--json"],
+        capsys,
+        monkeypatch,
+    )
+    assert code == 0
+    record = json.loads(out)
+    assert record["pld"]["epsilon"] > 1e5
+    assert record["prv"]["epsilon"] is None and "PRV accountant not run" in record["prv"]["error"]
+    code, out, err = run_cli(
+        ["privacy", "epsilon", *args, *TABLE_1, "--accountant", "prv"], capsys, monkeypatch
+    )
+    assert code == 2 and "PRV accountant not run" in err
 
 
 def test_epsilon_table(capsys, monkeypatch):
@@ -80,7 +100,12 @@ EPSILON = ["privacy", "epsilon", "--steps", "100", "--delta", "1e-5"]
         ([*EPSILON[:-1], "1", "--noise-multiplier", "1", "--sampling-rate", "0.1"], "delta"),
         (
             [*EPSILON, "--noise-multiplier", "1", "--sampling-rate", "0.1", "--accountant", "x"],
-            "unknown accountant",
+            "unknown accountant 'x'; choose rdp, pld, prv or all",
+        ),
+        (
+            ["privacy", "noise", "--epsilon", "1", "--delta", "1e-5", "--population", "100"]
+            + ["--cohort", "10", "--steps", "10", "--accountant", "prv"],
+            "unknown accountant 'prv'; choose rdp or pld",
         ),
         (
             ["privacy", "noise", "--epsilon", "1", "--delta", "1e-5", "--population", "10"]
@@ -110,3 +135,22 @@ def test_installed_command_exit_code():
     )
     assert proc.returncode == 2
     assert "noise multiplier must be finite and > 0" in proc.stderr
+
+
+def test_the_registry_drives_the_cli(capsys, monkeypatch):
+    """A registered accountant is a choice of `privacy epsilon` and part of `all`."""
+
+    def epsilon(z, q, steps, delta):
+        return EpsilonResult("flat", "none", "0", 1.5, delta, z, q, steps, None, {"how": "flat"})
+
+    flat = Accountant("flat", "flat (test)", "none", epsilon, lambda d: d["how"], False)
+    monkeypatch.setitem(ACCOUNTANTS, "flat", flat)
+    args = ["--noise-multiplier", "1", "--sampling-rate", "0.01", "--steps", "10", *TABLE_1]
+    code, out, _ = run_cli(
+        ["privacy", "epsilon", *args, "--accountant", "flat"], capsys, monkeypatch
+    )
+    assert code == 0 and "flat" in out and "1.5" in out
+    code, out, _ = run_cli(
+        ["privacy", "epsilon", *args, "--accountant", "all", "--json"], capsys, monkeypatch
+    )
+    assert code == 0 and set(json.loads(out)) == {"rdp", "pld", "prv", "flat"}

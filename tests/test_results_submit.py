@@ -155,6 +155,23 @@ def test_privacy_claim_mismatch(tmp_path, registry, dp_record):
     refused(tmp_path, registry, finalize(record), "claimed ε = 1.2 but the rdp accountant")
 
 
+def test_a_tampered_prv_cross_check_is_refused(tmp_path, registry, dp_record):
+    record = copy.deepcopy(dp_record)
+    claim = record["privacy"]["extrapolated"]["epsilon"]["prv"]
+    claim["epsilon"] = round(claim["epsilon"] * 0.9, 3)  # a rosier cross-check
+    refused(tmp_path, registry, finalize(record), "but the prv accountant gives")
+
+
+def test_a_record_from_before_prv_with_rdp_and_pld_claims_only_is_filed(
+    tmp_path, registry, dp_record
+):
+    record = copy.deepcopy(dp_record)
+    for scale in ("simulated", "extrapolated"):
+        del record["privacy"][scale]["epsilon"]["prv"]
+    accepted = submit(write_run(tmp_path / "run", finalize(record)), tmp_path / "results", registry)
+    assert set(accepted.record.privacy.extrapolated.epsilon) == {"rdp", "pld"}
+
+
 def test_privacy_claim_with_wrong_noise_multiplier(tmp_path, registry, dp_record):
     record = copy.deepcopy(dp_record)
     record["privacy"]["sigma_dp"] = SIGMA_DP * 2  # claims more noise than its ε numbers used

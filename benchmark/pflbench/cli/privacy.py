@@ -12,12 +12,12 @@ from pflbench.cli.common import JsonOption, SpecsOption, console, extra_spec_dir
 from pflbench.errors import UserError
 from pflbench.privacy.accountants import (
     ACCOUNTANTS,
-    EpsilonResult,
+    CALIBRATING,
     calibrate_noise,
     check_mechanism,
     compute_epsilon,
 )
-from pflbench.privacy.statement import check_scale, privacy_statement
+from pflbench.privacy.statement import check_scale, epsilon_entry, privacy_statement
 from pflbench.spec.models import PrivacyRecipe
 
 privacy_app = typer.Typer(
@@ -26,11 +26,18 @@ privacy_app = typer.Typer(
 )
 
 
+# --accountant help: the registered names, e.g. "rdp, pld or all".
+ANY_OR_ALL = ", ".join(ACCOUNTANTS) + " or all"
+ANY_CALIBRATING = " or ".join(CALIBRATING)
+
+
 def accountant_names(accountant: str, allow_all: bool) -> list[str]:
+    """The accountants --accountant names: any registered one (or all), or, without allow_all,
+    one that can calibrate noise."""
     if allow_all and accountant == "all":
         return list(ACCOUNTANTS)
-    if accountant not in ACCOUNTANTS:
-        choices = ", ".join(ACCOUNTANTS) + (" or all" if allow_all else "")
+    allowed, choices = (ACCOUNTANTS, ANY_OR_ALL) if allow_all else (CALIBRATING, ANY_CALIBRATING)
+    if accountant not in allowed:
         raise UserError(f"--accountant: unknown accountant {accountant!r}; choose {choices}")
     return [accountant]
 
@@ -50,35 +57,34 @@ def epsilon(
     sampling_rate: float = typer.Option(..., "--sampling-rate", help="q: Poisson sampling rate."),
     steps: int = typer.Option(..., "--steps", help="T: number of central steps."),
     delta: float = typer.Option(..., "--delta"),
-    accountant: str = typer.Option("rdp", "--accountant", help="rdp, pld or all."),
+    accountant: str = typer.Option("rdp", "--accountant", help=f"{ANY_OR_ALL}."),
     json: bool = JsonOption,
 ) -> None:
-    """Epsilon of the Poisson-subsampled Gaussian mechanism composed T times."""
+    """Epsilon of the Poisson-subsampled Gaussian mechanism composed T times (with `all`, an
+    accountant that cannot compute it says why instead)."""
     names = accountant_names(accountant, allow_all=True)
     check_mechanism(noise_multiplier, sampling_rate, steps, delta)
-    results = [compute_epsilon(noise_multiplier, sampling_rate, steps, delta, n) for n in names]
+    entries = [epsilon_entry(noise_multiplier, sampling_rate, steps, delta, n) for n in names]
+    if len(entries) == 1 and entries[0]["epsilon"] is None:
+        raise UserError(entries[0]["error"])
     if json:
-        print_json({r.accountant: asdict(r) for r in results})
+        print_json({e["accountant"]: e for e in entries})
         return
     table = Table(title=f"z={noise_multiplier:g}  q={sampling_rate:g}  T={steps}  delta={delta:g}")
-    for column in ("accountant", "epsilon", "RDP order", "library", "discretization"):
+    for column in ("accountant", "epsilon", "RDP order", "library", "how"):
         table.add_column(column)
-    for r in results:
+    for e in entries:
+        if e["epsilon"] is None:
+            table.add_row(e["accountant"], "not computed", "", "", e["error"])
+            continue
         table.add_row(
-            r.accountant,
-            f"{r.epsilon:.4g}",
-            "" if r.order is None else f"{r.order:g}",
-            f"{r.library} {r.library_version}",
-            describe_details(r),
+            e["accountant"],
+            f"{e['epsilon']:.4g}",
+            "" if e["order"] is None else f"{e['order']:g}",
+            f"{e['library']} {e['library_version']}",
+            ACCOUNTANTS[e["accountant"]].summary(e["details"]),
         )
     console.print(table)
-
-
-def describe_details(result: EpsilonResult) -> str:
-    if result.accountant == "rdp":
-        orders = result.details["orders"]
-        return f"{len(orders)} orders {orders[0]:g}..{orders[-1]:g}"
-    return f"interval {result.details['value_discretization_interval']:g}"
 
 
 @privacy_app.command("noise")
@@ -88,7 +94,7 @@ def noise(
     population: int = typer.Option(..., "--population", help="K: number of users."),
     cohort: int = typer.Option(..., "--cohort", help="S = qK: expected cohort size."),
     steps: int = typer.Option(..., "--steps", help="T: number of central steps."),
-    accountant: str = typer.Option("rdp", "--accountant", help="rdp or pld."),
+    accountant: str = typer.Option("rdp", "--accountant", help=f"{ANY_CALIBRATING}."),
     json: bool = JsonOption,
 ) -> None:
     """Smallest noise multiplier z with epsilon <= target, and sigma_dp = z / S."""
@@ -132,7 +138,7 @@ def report(
     budget: str | None = typer.Option(None, "--budget", help="Also at this budget's scale."),
     clip_bound: float = typer.Option(PrivacyRecipe().clip_bound, "--clip-bound"),
     sampling: str = typer.Option("poisson", "--sampling", help="poisson or fixed."),
-    accountant: str = typer.Option("all", "--accountant", help="rdp, pld or all."),
+    accountant: str = typer.Option("all", "--accountant", help=f"{ANY_OR_ALL}."),
     specs: list[Path] | None = SpecsOption,
     json: bool = JsonOption,
 ) -> None:

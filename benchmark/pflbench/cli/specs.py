@@ -68,18 +68,17 @@ def _table(title: str, rows: list[dict]) -> None:
 
 
 def budget_privacy(budget) -> dict:
-    """σ_DP and z of a budget, and ε at its extrapolated scale by both accountants."""
-    from pflbench.privacy.accountants import compute_epsilon
-    from pflbench.privacy.statement import budget_noise
+    """σ_DP and z of a budget, and ε at its extrapolated scale by every accountant (null where
+    one cannot compute it)."""
+    from pflbench.privacy.accountants import ACCOUNTANTS
+    from pflbench.privacy.statement import budget_noise, epsilon_entry
 
     if not budget.dp:
         return {"dp": False}
     noise = budget_noise(budget)
     q = budget.cohort / budget.population
-    eps = {
-        acc: compute_epsilon(noise["noise_multiplier"], q, budget.steps, budget.delta, acc).epsilon
-        for acc in ("rdp", "pld")
-    }
+    z, steps, delta = noise["noise_multiplier"], budget.steps, budget.delta
+    eps = {name: epsilon_entry(z, q, steps, delta, name)["epsilon"] for name in ACCOUNTANTS}
     return {
         "dp": True,
         "noise_multiplier": noise["noise_multiplier"],
@@ -145,7 +144,7 @@ def register(app: typer.Typer) -> None:
     def budgets_show(
         name: str, specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption
     ) -> None:
-        """One budget with its σ_DP, noise multiplier z and ε by both accountants; a matched
+        """One budget with its σ_DP, noise multiplier z and ε by every accountant; a matched
         budget also with its noise-to-clip ratio σ_DP·√d next to the paper budget's."""
         from pflbench.privacy.matching import PAPER_PRESET, match_report, model_parameters
 

@@ -18,9 +18,10 @@ from typing import Literal
 
 from pflbench.errors import UserError
 from pflbench.privacy.accountants import (
+    ACCOUNTANTS,
     calibrate_noise,
-    check_accountant,
     compute_epsilon,
+    get_accountant,
 )
 from pflbench.spec.models import Budget
 
@@ -100,15 +101,18 @@ def epsilons_at_scale(
         "epsilon": {},
     }
     for name in accountants:
-        if sigma_dp == 0:
-            scale["epsilon"][name] = None  # no noise: epsilon is infinite
-            continue
-        try:
-            result = asdict(compute_epsilon(z, q, steps, delta, name))
-        except UserError as exc:  # e.g. PLD at an astronomically large epsilon
-            result = {"accountant": name, "epsilon": None, "error": str(exc)}
-        scale["epsilon"][name] = result
+        # None without noise: epsilon is infinite
+        scale["epsilon"][name] = epsilon_entry(z, q, steps, delta, name) if sigma_dp else None
     return scale
+
+
+def epsilon_entry(z: float, q: float, steps: int, delta: float, accountant: str) -> dict:
+    """One accountant's epsilon, JSON-ready; where it cannot compute one, epsilon is null and
+    `error` says why (e.g. PLD or PRV at an astronomically large epsilon)."""
+    try:
+        return asdict(compute_epsilon(z, q, steps, delta, accountant))
+    except UserError as exc:
+        return {"accountant": accountant, "epsilon": None, "error": str(exc)}
 
 
 def privacy_statement(
@@ -120,7 +124,7 @@ def privacy_statement(
     delta: float,
     sampling: Literal["poisson", "fixed"],
     budget: Budget | None,
-    accountants: Sequence[str] = ("rdp", "pld"),
+    accountants: Sequence[str] = tuple(ACCOUNTANTS),
     pseudo_users: bool = False,
 ) -> dict:
     """JSON-ready record of how private a run is, at its simulated and extrapolated scale.
@@ -135,7 +139,7 @@ def privacy_statement(
     if sampling not in ("poisson", "fixed"):
         raise UserError(f"unknown sampling {sampling!r}; choose poisson or fixed")
     for name in accountants:
-        check_accountant(name)
+        get_accountant(name)
     dp = sigma_dp > 0
     extrapolated = None
     claimed_by = None
@@ -175,9 +179,9 @@ def how_sentence(
 ) -> str:
     if not dp:
         return "No DP noise (sigma_dp = 0): epsilon is infinite; updates may still be clipped."
-    names = {"rdp": "RDP (opacus, best of a grid of orders)", "pld": "PLD (dp_accounting)"}
+    described = [ACCOUNTANTS[a].description for a in accountants]
     text = (
-        f"epsilon computed by {' and '.join(names[a] for a in accountants)} for the Poisson-"
+        f"epsilon computed by {enumeration(described)} for the Poisson-"
         f"subsampled Gaussian mechanism with noise multiplier z = sigma_dp * S ="
         f" {simulated['noise_multiplier']:.6g}, sampling rate q = S/K = {simulated['cohort']}/"
         f"{simulated['population']}, composed over T = {simulated['steps']} steps at delta ="
@@ -193,8 +197,11 @@ def how_sentence(
             f" {simulated['steps']} is <= that T, so the extrapolated epsilon bounds it."
         )
     if claimed_by is not None:
-        others = ", ".join(a for a in accountants if a != claimed_by)
-        cross_check = f"; {others} is reported as a cross-check" if others else ""
+        others = [a for a in accountants if a != claimed_by]
+        cross_check = ""
+        if others:
+            verb = "is reported as a cross-check" if len(others) == 1 else "are cross-checks"
+            cross_check = f"; {enumeration(others)} {verb}"
         text += (
             f" The claim against the budget is the {claimed_by} epsilon (the budget's"
             f" accountant){cross_check}."
@@ -214,3 +221,8 @@ def how_sentence(
             " the stated epsilon covers exactly."
         )
     return text
+
+
+def enumeration(items: Sequence[str]) -> str:
+    """ "a", "a and b", "a, b and c"."""
+    return " and ".join(filter(None, (", ".join(items[:-1]), items[-1])))

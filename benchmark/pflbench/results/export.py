@@ -8,6 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pflbench.privacy.accountants import ACCOUNTANTS
 from pflbench.results.leaderboard import central_steps, clip_bound, cohort_size
 from pflbench.results.schema import ResultRecord
 
@@ -16,7 +17,7 @@ def epsilon_columns(record: ResultRecord) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for scale in ("simulated", "extrapolated"):
         claim = getattr(record.privacy, scale, None) if record.privacy else None
-        for accountant in ("rdp", "pld"):
+        for accountant in ACCOUNTANTS:
             item = claim.epsilon.get(accountant) if claim else None
             out[f"epsilon_{scale}_{accountant}"] = item.epsilon if item else None
     return out

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pflbench.errors import UserError
+from pflbench.privacy.accountants import AccountantName, CalibratingAccountantName
 from pflbench.spec.registry import format_validation_error
 from pflbench.spec.resolve import canonical_json
 
@@ -120,7 +121,7 @@ class EpsilonClaim(Open):
     """One accountant's ε; `epsilon` is null with an `error` where the accountant cannot compute
     it (e.g. PLD at an astronomically large ε)."""
 
-    accountant: Literal["rdp", "pld"]
+    accountant: AccountantName
     library: str | None = None
     library_version: str | None = None
     epsilon: float | None = Field(None, ge=0)
@@ -187,7 +188,7 @@ class PrivacyClaim(Open):
     sigma_dp: float | None = Field(None, ge=0)
     clip_bound: float | None = Field(None, gt=0)
     sampling: Literal["poisson", "fixed"] | None = None
-    claimed_by: Literal["rdp", "pld"] | None = Field(
+    claimed_by: CalibratingAccountantName | None = Field(
         None,
         description="The accountant whose ε is claimed against the budget (the budget's"
         " accountant); the other accountants' ε are cross-checks. Absent in older records: rdp.",

@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from pflbench.privacy.accountants import CalibratingAccountantName
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -307,7 +309,7 @@ class Budget(Strict):
     population: int | None = Field(None, ge=1, description="Extrapolated number of users K_ext.")
     cohort: int | None = Field(None, ge=1, description="Extrapolated cohort size S_ext.")
     steps: int | None = Field(None, ge=1, description="Extrapolated central steps T_ext.")
-    accountant: Literal["rdp", "pld"] = "rdp"
+    accountant: CalibratingAccountantName = "rdp"
     matches: str | None = Field(
         None,
         description="The paper budget this one is signal-to-noise matched to: the same epsilon,"

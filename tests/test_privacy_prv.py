@@ -1,0 +1,81 @@
+"""The PRV accountant (prv_accountant): a third cross-check next to RDP and PLD."""
+
+import pytest
+from pydantic import ValidationError
+
+from pflbench.errors import UserError
+from pflbench.privacy import prv
+from pflbench.privacy.accountants import ACCOUNTANTS, calibrate_noise, compute_epsilon
+from pflbench.privacy.statement import privacy_statement
+from pflbench.spec.models import Budget
+
+DELTA = 1e-9
+
+# (z, q, T) rows of the paper (002, Tables 1 and 17) with RDP 7.23, 1.92, 4.44 and 3.70.
+PAPER_ROWS = [
+    (0.6144, 0.00295, 2034),
+    (1.024, 0.00295, 2034),
+    (2.048, 0.0295, 2006),
+    (0.6144, 0.000295, 3390),
+]
+
+
+@pytest.mark.parametrize(("z", "q", "steps"), PAPER_ROWS)
+def test_prv_agrees_with_pld_and_is_at_most_rdp(z, q, steps):
+    """Tolerance: PLD's (pessimistic) ε lies within PRV's proven error bounds [lower, upper],
+    which are at most 2 * eps_error (0.02 here) wide; PRV reports the upper bound."""
+    rdp = compute_epsilon(z, q, steps, DELTA, "rdp").epsilon
+    pld = compute_epsilon(z, q, steps, DELTA, "pld").epsilon
+    result = compute_epsilon(z, q, steps, DELTA, "prv")
+    details = result.details
+    assert result.epsilon == details["epsilon_upper_bound"]
+    assert details["epsilon_lower_bound"] <= pld <= result.epsilon <= rdp
+    assert result.epsilon - pld <= 2 * details["eps_error"] == 2 * prv.PRV_EPS_ERROR
+    assert result.library == "prv_accountant" and result.order is None
+
+
+def test_the_paper_headline_row():
+    # Table 1's eps7.2-high-pop: RDP 7.23, PLD 6.30, PRV's upper bound 6.31.
+    assert compute_epsilon(0.6144, 0.00295, 2034, DELTA, "prv").epsilon == pytest.approx(
+        6.31, abs=0.01
+    )
+
+
+def test_prv_refuses_very_large_epsilons_with_a_clear_error():
+    with pytest.raises(UserError, match="PRV accountant not run.*rdp accountant"):
+        compute_epsilon(0.01024, 0.0295, 2006, DELTA, "prv")  # RDP: 1.1e7
+
+
+def test_a_numeric_failure_of_the_library_is_a_user_error(monkeypatch):
+    # Without the guard, the library's own discretization check fails at RDP epsilon 4e4.
+    monkeypatch.setattr(prv, "PRV_MAX_RDP_EPSILON", float("inf"))
+    with pytest.raises(UserError, match="PRV accountant failed numerically"):
+        compute_epsilon(0.02, 16 / 1200, 30, DELTA, "prv")
+
+
+def test_statements_cross_check_with_prv_and_skip_it_where_it_cannot_compute():
+    budget = Budget(
+        name="eps7.2-high-pop",
+        epsilon=7.2,
+        delta=DELTA,
+        population=69_506_000,
+        cohort=204_800,
+        steps=2034,
+    )
+    statement = privacy_statement(3e-6, 0.01, 1024, 34_753, 2006, DELTA, "fixed", budget)
+    simulated, extrapolated = statement["simulated"], statement["extrapolated"]
+    assert set(simulated["epsilon"]) == set(extrapolated["epsilon"]) == set(ACCOUNTANTS)
+    assert simulated["epsilon"]["prv"]["epsilon"] is None  # RDP 1.2e8 at the simulated scale
+    assert "PRV accountant not run" in simulated["epsilon"]["prv"]["error"]
+    assert extrapolated["epsilon"]["prv"]["epsilon"] == pytest.approx(6.31, abs=0.02)
+    assert statement["claimed_by"] == "rdp"
+    assert "PRV (prv_accountant, upper bound)" in statement["how"]
+    assert "pld and prv are cross-checks" in statement["how"]
+
+
+def test_prv_is_a_cross_check_only():
+    with pytest.raises(UserError, match="unknown accountant 'prv' for calibrating noise"):
+        calibrate_noise(7.2, 0.00295, 2034, DELTA, "prv")
+    with pytest.raises(ValidationError, match="accountant"):
+        Budget(name="b", epsilon=7.2, delta=DELTA, accountant="prv")
+    assert not ACCOUNTANTS["prv"].calibrates
