@@ -250,7 +250,8 @@ def plot_groups(rows: list[Row], task: str, is_dp, out_dir: Path, report: PlotRe
                 ax.plot(range(len(names)), ys, marker="o", color=f"C{i}", alpha=0.8, label=label)
             ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize="small")
             ax.set(title=attribute, ylabel=ylabel if ax is axes[0] else None)
-        axes[0].legend(fontsize="x-small")
+        handles, labels = axes[0].get_legend_handles_labels()
+        fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize="x-small")
         save(fig, out_dir, stem, report)
 
 
