@@ -7,7 +7,6 @@ from __future__ import annotations
 import functools
 from importlib.metadata import version
 
-from pflbench.errors import UserError
 from pflbench.privacy import rdp
 from pflbench.privacy.accounting import Accountant, EpsilonResult
 
@@ -34,13 +33,11 @@ def epsilon(z: float, q: float, steps: int, delta: float) -> EpsilonResult:
     import dp_accounting
     from dp_accounting import pld
 
-    rdp_epsilon = rdp.epsilon(z, q, steps, delta).epsilon
-    if not rdp_epsilon <= PLD_MAX_RDP_EPSILON:
-        raise UserError(
-            f"PLD accountant not run: epsilon is astronomically large (RDP gives {rdp_epsilon:.3g}"
-            f" > {PLD_MAX_RDP_EPSILON:g}), beyond what its discretized grid can represent;"
-            " use the rdp accountant"
-        )
+    rdp_epsilon = rdp.epsilon_at_most(
+        PLD_MAX_RDP_EPSILON, z, q, steps, delta,
+        "PLD accountant not run: epsilon is astronomically large, beyond what its discretized"
+        " grid can represent",
+    )  # fmt: skip
     interval = pld_interval(rdp_epsilon)
     accountant = pld.PLDAccountant(
         dp_accounting.NeighboringRelation.ADD_OR_REMOVE_ONE,

@@ -58,13 +58,11 @@ def prv_bounds(z: float, q: float, steps: int, delta: float, error: float) -> tu
 
 @functools.lru_cache(maxsize=4096)
 def epsilon(z: float, q: float, steps: int, delta: float) -> EpsilonResult:
-    rdp_epsilon = rdp.epsilon(z, q, steps, delta).epsilon
-    if not rdp_epsilon <= PRV_MAX_RDP_EPSILON:
-        raise UserError(
-            f"PRV accountant not run: epsilon is very large (RDP gives {rdp_epsilon:.3g} >"
-            f" {PRV_MAX_RDP_EPSILON:g}), beyond what its privacy loss grid handles well;"
-            " use the rdp accountant"
-        )
+    rdp_epsilon = rdp.epsilon_at_most(
+        PRV_MAX_RDP_EPSILON, z, q, steps, delta,
+        "PRV accountant not run: epsilon is very large, beyond what its privacy loss grid"
+        " handles well",
+    )  # fmt: skip
     error = eps_error(rdp_epsilon)
     try:
         lower, estimate, upper = prv_bounds(z, q, steps, delta, error)

@@ -12,6 +12,7 @@ from importlib.metadata import version
 
 import numpy as np
 
+from pflbench.errors import UserError
 from pflbench.privacy.accounting import Accountant, EpsilonResult
 
 LIBRARY = "opacus"
@@ -73,3 +74,16 @@ ACCOUNTANT = Accountant(
     summary=summary,
     calibrates=True,
 )
+
+
+def epsilon_at_most(
+    limit: float, z: float, q: float, steps: int, delta: float, refusal: str
+) -> float:
+    """The RDP epsilon (an upper bound on the tighter accountants'), or a UserError `refusal`
+    when it exceeds `limit`: the grid-based accountants cannot represent such epsilons."""
+    rdp_epsilon = epsilon(z, q, steps, delta).epsilon
+    if not rdp_epsilon <= limit:
+        raise UserError(
+            f"{refusal} (RDP gives {rdp_epsilon:.3g} > {limit:g}); use the rdp accountant"
+        )
+    return rdp_epsilon
