@@ -50,3 +50,13 @@ def test_every_period_and_the_end_print_a_line():
     with LineProgress("synthesis", file=out, every=0) as progress:
         progress.update(progress.add_task("units"), completed=5)
     assert out.getvalue().startswith("synthesis  5  elapsed")
+
+
+def test_the_end_is_printed_once_when_it_is_reported_twice():
+    """A feature store reports its last shard, then the caller sets the bar to its total."""
+    out = io.StringIO()
+    with LineProgress("data", file=out, every=3600) as progress:
+        task = progress.add_task("features seed", total=4)
+        progress.update(task, completed=4)
+        progress.update(task, completed=4)
+    assert len(out.getvalue().splitlines()) == 1

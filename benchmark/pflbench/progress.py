@@ -81,7 +81,8 @@ class LineProgress:
         task.fields.update(fields)
         now = time.monotonic()
         finished = task.total is not None and task.completed >= task.total
-        if finished or now - task.printed_at >= self.every:
+        reached = finished and task.printed_completed != task.completed  # print the end once
+        if reached or now - task.printed_at >= self.every:
             self._print(task, now)
 
     def line(self, task: _Task, now: float) -> str:
