@@ -145,14 +145,24 @@ def test_worst_group_ignores_small_and_unreported_groups():
     assert (attribute, name, g.wer) == ("gender", "male", 0.40)
 
 
-def test_leaderboard_shows_worst_group_and_dp_gap_per_group():
-    records = [r for r in load_results(GOLDEN / "results") if r.task.name == "fx-task"]
+def _fx_records():
+    return [r for r in load_results(GOLDEN / "results") if r.task.name == "fx-task"]
+
+
+def _grouped_dp_pair():
+    """A DP row of the golden records and its no-DP partner, given groups x and y whose WERs
+    are 40/60% under DP and 30/56% without: ((baseline, budget) of the DP row, DP, no-DP)."""
     by_budget = {}
-    for r in records:
+    for r in _fx_records():
         by_budget.setdefault((r.baseline, r.budget), []).append(r)
-    (dp_key, dp_rows), (base_key, base_rows) = _dp_pair(by_budget)
+    (dp_key, dp_rows), (_, base_rows) = _dp_pair(by_budget)
     dp = [_with_groups(r, {"x": 0.40, "y": 0.60}, MIN_SPEAKERS) for r in dp_rows]
     base = [_with_groups(r, {"x": 0.30, "y": 0.56}, MIN_SPEAKERS) for r in base_rows]
+    return dp_key, dp, base
+
+
+def test_leaderboard_shows_worst_group_and_dp_gap_per_group():
+    dp_key, dp, base = _grouped_dp_pair()
     assert row_group_wers(dp, next(iter(_test_sets(dp[0]))))["accent"]["y"].wer == pytest.approx(
         0.6
     )
@@ -172,17 +182,11 @@ def test_leaderboard_shows_worst_group_and_dp_gap_per_group():
 def test_plot_draws_group_wer_and_dp_gap(tmp_path):
     from pflbench.results.plots import plot_results
 
-    records = [r for r in load_results(GOLDEN / "results") if r.task.name == "fx-task"]
-    by_budget = {}
-    for r in records:
-        by_budget.setdefault((r.baseline, r.budget), []).append(r)
-    (_, dp_rows), (_, base_rows) = _dp_pair(by_budget)
-    dp = [_with_groups(r, {"x": 0.40, "y": 0.60}, MIN_SPEAKERS) for r in dp_rows]
-    base = [_with_groups(r, {"x": 0.30, "y": 0.56}, MIN_SPEAKERS) for r in base_rows]
+    _, dp, base = _grouped_dp_pair()
     report = plot_results(dp + base, tmp_path, budgets=BUDGETS)
     names = {p.name for p in report.written}
     assert {"fx-task-group-wer.png", "fx-task-group-dp-gap.png"} <= names
-    plain = plot_results(records, tmp_path / "plain", budgets=BUDGETS)
+    plain = plot_results(_fx_records(), tmp_path / "plain", budgets=BUDGETS)
     assert "fx-task-group-wer: no records with per-group WER" in plain.skipped
 
 

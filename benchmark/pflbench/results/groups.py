@@ -46,13 +46,36 @@ def row_group_wers(records, eval_set: str) -> dict[str, dict[str, GroupWer]]:
     return out
 
 
+def is_ranked(name: str, group: GroupWer) -> bool:
+    """A group large enough, and labelled, to be ranked against the others."""
+    return name != UNREPORTED and group.speakers >= MIN_SPEAKERS
+
+
+def rows_with_groups(rows, eval_set: str) -> list[tuple]:
+    """(row, its group WERs) for the rows whose records carry group counts on `eval_set`."""
+    found = [(row, row_group_wers(row.records, eval_set)) for row in rows]
+    return [(row, groups) for row, groups in found if groups]
+
+
+def dp_pairs(with_groups: list[tuple], is_dp) -> list[tuple]:
+    """(row, its group WERs, its no-DP partner's group WERs) for every DP row with a partner."""
+    no_dp = {
+        partner_key(row.first): groups for row, groups in with_groups if not is_dp(row.first.budget)
+    }
+    return [
+        (row, groups, no_dp[partner_key(row.first)])
+        for row, groups in with_groups
+        if is_dp(row.first.budget) and partner_key(row.first) in no_dp
+    ]
+
+
 def worst_group(groups: dict[str, dict[str, GroupWer]]) -> tuple[str, str, GroupWer] | None:
     """(attribute, group, its WER) of the highest WER among ranked groups, or None."""
     ranked = [
         (g.wer, attribute, name, g)
         for attribute, by_name in groups.items()
         for name, g in by_name.items()
-        if name != UNREPORTED and g.speakers >= MIN_SPEAKERS
+        if is_ranked(name, g)
     ]
     if not ranked:
         return None
@@ -96,8 +119,7 @@ def render_groups(rows, is_dp, cell) -> str:
     eval_set = group_eval_set(records)
     if eval_set is None:
         return ""
-    with_groups = [(row, row_group_wers(row.records, eval_set)) for row in rows]
-    with_groups = [(row, g) for row, g in with_groups if g]
+    with_groups = rows_with_groups(rows, eval_set)
     with_groups.sort(
         key=lambda t: (is_dp(t[0].first.budget), t[0].first.budget, t[0].first.baseline)
     )
@@ -112,10 +134,7 @@ def render_groups(rows, is_dp, cell) -> str:
     for row, groups in with_groups:
         worst = worst_group(groups)
         ranked = [
-            g.wer
-            for by_name in groups.values()
-            for name, g in by_name.items()
-            if name != UNREPORTED and g.speakers >= MIN_SPEAKERS
+            g.wer for by_name in groups.values() for n, g in by_name.items() if is_ranked(n, g)
         ]
         wers = [r.metrics.final[eval_set].wer for r in with_group_counts(row.records, eval_set)]
         cells = [cell(row_label(row.first)), cell(row.first.budget), str(len(wers))]
@@ -137,14 +156,7 @@ def render_groups(rows, is_dp, cell) -> str:
 
 def render_dp_gaps(with_groups, is_dp, cell) -> str:
     """Per attribute: for each DP row with a no-DP partner, group WER minus the partner's."""
-    no_dp = {
-        partner_key(row.first): groups for row, groups in with_groups if not is_dp(row.first.budget)
-    }
-    pairs = [
-        (row, groups, no_dp[partner_key(row.first)])
-        for row, groups in with_groups
-        if is_dp(row.first.budget) and partner_key(row.first) in no_dp
-    ]
+    pairs = dp_pairs(with_groups, is_dp)
     if not pairs:
         return ""
     parts = [
