@@ -22,12 +22,11 @@ import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
 from pflbench.results.groups import (  # noqa: E402
-    MIN_SPEAKERS,
-    UNREPORTED,
+    dp_pairs,
     group_eval_set,
-    partner_key,
-    row_group_wers,
+    is_ranked,
     row_label,
+    rows_with_groups,
 )
 from pflbench.results.leaderboard import (  # noqa: E402
     Row,
@@ -191,15 +190,23 @@ def plot_task(
         report.skipped.append(f"{task}-privacy-utility: no results with a finite ε")
 
     pts = points(rows, sets, cohort_size, lambda r: f"{r.baseline} / {r.budget}")
-    if len({p.x for p in pts}) > 1:
+    # Only series run at several cohort sizes say anything about the cohort (a full matrix
+    # has dozens of single-size rows, whose legend would bury the axes).
+    sizes: dict[str, set[float]] = {}
+    for p in pts:
+        sizes.setdefault(p.series, set()).add(p.x)
+    pts = [p for p in pts if len(sizes[p.series]) > 1]
+    if pts:
         fig, (ax,) = new_figure(f"{task}: WER vs cohort size")
         draw_series(ax, pts)
         ax.set(xscale="log", xlabel="cohort size S", ylabel=ylabel)
         ax.legend(fontsize="small")
+        ax.set_xticks(sorted({p.x for p in pts}))  # ticks at the cohorts run, in plain numbers
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         save(fig, out_dir, f"{task}-wer-vs-cohort", report)
     else:
-        report.skipped.append(f"{task}-wer-vs-cohort: fewer than two cohort sizes")
+        report.skipped.append(f"{task}-wer-vs-cohort: no row run at two cohort sizes")
 
 
 MAX_GROUP_SERIES = 8  # more dot series than this cannot be told apart
@@ -212,23 +219,19 @@ def plot_groups(rows: list[Row], task: str, is_dp, out_dir: Path, report: PlotRe
     if eval_set is None:
         report.skipped.append(f"{task}-group-wer: no records with per-group WER")
         return
-    found = [(row, row_group_wers(row.records, eval_set)) for row in rows]
-    found = [(row, g) for row, g in found if g]
-    no_dp = {partner_key(row.first): g for row, g in found if not is_dp(row.first.budget)}
+    found = rows_with_groups(rows, eval_set)
     gaps = [
-        (row, {a: {n: v.wer - no_dp[partner_key(row.first)][a][n].wer
-                   for n, v in by_name.items() if n in no_dp[partner_key(row.first)].get(a, {})}
-               for a, by_name in g.items()})
-        for row, g in found
-        if is_dp(row.first.budget) and partner_key(row.first) in no_dp
+        (row, {a: {n: v.wer - base[a][n].wer for n, v in by_name.items() if n in base.get(a, {})}
+               for a, by_name in groups.items()})
+        for row, groups, base in dp_pairs(found, is_dp)
     ]  # fmt: skip
     wers = [(row, {a: {n: v.wer for n, v in by_name.items()} for a, by_name in g.items()})
             for row, g in found]  # fmt: skip
-    ranked = {
-        a: sorted(n for n, v in by_name.items() if n != UNREPORTED and v.speakers >= MIN_SPEAKERS)
-        for _, g in found
-        for a, by_name in g.items()
-    }
+    ranked: dict[str, set[str]] = {}
+    for _, groups in found:
+        for a, by_name in groups.items():
+            ranked.setdefault(a, set()).update(n for n, v in by_name.items() if is_ranked(n, v))
+    ranked = {a: sorted(names) for a, names in ranked.items()}
     for stem, series, ylabel in (
         (f"{task}-group-wer", wers, f"{eval_set} WER (%) of the group"),
         (f"{task}-group-dp-gap", gaps, "WER under DP − WER without DP (points)"),
