@@ -13,7 +13,7 @@ from pflbench.fl.parallel import ParallelClientTrainer
 from pflbench.fl.simulator import Simulator
 from pflbench.model.transformer import build_model
 from pflbench.results.schema import load_record
-from pflbench.runner import run
+from pflbench.runner import RunOptions, run
 from pflbench.spec.models import ClientRecipe, Recipe, SpecAugmentRecipe
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -76,8 +76,7 @@ def test_a_whole_run_on_cuda_writes_a_valid_record(env, tmp_path):  # noqa: F811
     run_dir = run(
         _config(env, "perlayer-dim", "eps7.2-high-pop"),
         out_dir=tmp_path / "run",
-        device="cuda",
-        progress=False,
+        options=RunOptions(device="cuda", progress=False),
     )
     record, _ = load_record(run_dir / "record.json")
     assert record.compute.device == "cuda" and record.compute.gpu_hours > 0

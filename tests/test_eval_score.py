@@ -33,7 +33,7 @@ def test_speaker_wer_deciles_show_how_unevenly_errors_fall():
     ]
     result = score(transcripts)
     assert result["speaker_wer_p10"] == pytest.approx(0.1)
-    assert result["speaker_wer_median"] == pytest.approx(0.45)
+    assert result["speaker_wer_p50"] == pytest.approx(0.45)
     assert result["speaker_wer_p90"] == pytest.approx(0.8)
     assert result["speaker_counts"]["s3"] == (3, 10)
 

@@ -36,7 +36,7 @@ from pflbench.results.leaderboard import render_leaderboard
 from pflbench.results.plots import plot_results
 from pflbench.results.schema import load_record
 from pflbench.results.submit import submit
-from pflbench.runner import run
+from pflbench.runner import RunOptions, run
 from pflbench.spec.models import Recipe, RunConfig
 from pflbench.spec.registry import load_registry
 from pflbench.spec.resolve import config_hash, resolve
@@ -339,7 +339,9 @@ def audited_run(monkeypatch, tmp_path, tiny_cache_dir, audit_specs):
     def go(budget: str):
         config = resolve(load_registry([specs]), TASK, "perlayer-dim", budget, 0, [])
         out = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
-        record, _ = load_record(run(config, out_dir=out, progress=False) / "record.json")
+        record, _ = load_record(
+            run(config, out_dir=out, options=RunOptions(progress=False)) / "record.json"
+        )
         return record, out
 
     return go

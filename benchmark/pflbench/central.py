@@ -112,10 +112,17 @@ def learning_rate(recipe: CentralRecipe, step: int) -> float:
 # Determinism and resumption
 
 
-def use_all_cpu_threads() -> None:
-    """One intra-op thread per CPU this process may run on (torch defaults to physical cores,
-    which undercounts in VMs and containers with CPU quotas set by affinity)."""
-    torch.set_num_threads(len(os.sched_getaffinity(0)))
+def set_cpu_threads() -> None:
+    """A fixed intra-op thread count (kernels may round differently with another count, and
+    other code in the process may have changed it): OMP_NUM_THREADS if set (torchrun sets it
+    to 1 per process), else this process's share of the CPUs it may run on (torch's default
+    counts physical cores, which undercounts in VMs and containers with CPU quotas)."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        threads = int(os.environ["OMP_NUM_THREADS"])
+    else:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        threads = max(1, len(os.sched_getaffinity(0)) // local_world)
+    torch.set_num_threads(threads)
 
 
 def derived_seed(*keys: object) -> int:

@@ -89,7 +89,7 @@ def score(transcripts: Sequence[Transcript]) -> dict:
         "speaker_wer_mean": statistics.fmean(speaker_wers) if speaker_wers else None,
         "speaker_wer_std": statistics.pstdev(speaker_wers) if speaker_wers else None,
         "speaker_wer_p10": _quantile(speaker_wers, 0.1),
-        "speaker_wer_median": statistics.median(speaker_wers) if speaker_wers else None,
+        "speaker_wer_p50": statistics.median(speaker_wers) if speaker_wers else None,
         "speaker_wer_p90": _quantile(speaker_wers, 0.9),
         "num_speakers": len(per_speaker),
         "speakers_without_words": len(per_speaker) - len(speaker_wers),
@@ -163,10 +163,31 @@ def group_counts(
 
 
 def evaluate(model: CTCTransformer, store, tokenizer, *, device, batch_seconds=200.0) -> dict:
+    """One eval set (a feature store): its transcripts scored (`score`)."""
     return score(transcribe(model, store, tokenizer, device=device, batch_seconds=batch_seconds))
 
 
 def evaluate_sets(model: CTCTransformer, stores: dict, tokenizer, *, device) -> dict[str, dict]:
     return {
         name: evaluate(model, store, tokenizer, device=device) for name, store in stores.items()
+    }
+
+
+def evaluate_task(
+    model: CTCTransformer, data, eval_sets: Sequence, roles: set[str], device
+) -> dict:
+    """A task's eval sets of the given roles ("dev", "test"), each scored with its role and its
+    per-group counts (speaker attributes from the task's data)."""
+    chosen = [e for e in eval_sets if e.role in roles]
+    stores = {e.name: data.eval_sets[e.name] for e in chosen}
+    results = evaluate_sets(model, stores, data.tokenizer, device=device)
+    return {
+        e.name: {
+            "role": e.role,
+            **results[e.name],
+            "groups": group_counts(
+                results[e.name]["speaker_counts"], data.eval_groups.get(e.name, {})
+            ),
+        }
+        for e in chosen
     }

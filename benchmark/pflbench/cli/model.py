@@ -44,7 +44,7 @@ def results_table(title: str, results: dict[str, dict]) -> Table:
     for name, r in results.items():
         row = [name, str(r["num_utterances"]), str(r["num_speakers"]), pct(r["wer"]), pct(r["cer"])]
         row += [f"{pct(r['speaker_wer_mean'])} ± {pct(r['speaker_wer_std'])}"]
-        table.add_row(*row, pct(r["speaker_wer_median"]), pct(r["speaker_wer_p90"]))
+        table.add_row(*row, pct(r["speaker_wer_p50"]), pct(r["speaker_wer_p90"]))
     return table
 
 
@@ -71,11 +71,11 @@ def register(app: typer.Typer) -> None:
             console.print(f"task {task!r} has no seed model: it trains from scratch")
             return
 
-        from pflbench.central import seed_model, use_all_cpu_threads
+        from pflbench.central import seed_model, set_cpu_threads
         from pflbench.data.prepare import cache_dir_default, prepare_task
         from pflbench.evaluate import evaluate_sets
 
-        use_all_cpu_threads()
+        set_cpu_threads()
         cache = cache_dir or cache_dir_default()
         data = prepare_task(cfg.task, data_root=data_root, cache_dir=cache, progress=not as_json)
         model, path = seed_model(
@@ -105,7 +105,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = JsonOption,
     ) -> None:
         """WER and CER per eval set (pooled) and the per-speaker WER distribution."""
-        from pflbench.central import use_all_cpu_threads
+        from pflbench.central import set_cpu_threads
         from pflbench.checkpoint import load_model
         from pflbench.data.prepare import prepare_task
         from pflbench.evaluate import evaluate_sets
@@ -113,7 +113,7 @@ def register(app: typer.Typer) -> None:
 
         device = check_device(device)
         spec = load_registry(extra_spec_dirs(specs)).task(task).spec
-        use_all_cpu_threads()
+        set_cpu_threads()
         model, meta = load_model(checkpoint, device)
         data = prepare_task(spec, data_root=data_root, cache_dir=cache_dir, progress=not as_json)
         vocab = meta.get("vocab")

@@ -137,7 +137,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Prepare data, train or reuse the seed model, run the central steps, evaluate, and
         write the run directory with its result record."""
-        from pflbench.runner import check_privacy, default_run_dir, run
+        from pflbench.privacy.run import check_run_privacy
+        from pflbench.rundir import default_run_dir
+        from pflbench.runner import RunOptions, run
         from pflbench.spec.registry import load_registry
         from pflbench.spec.resolve import default_budget, resolve
 
@@ -150,7 +152,7 @@ def register(app: typer.Typer) -> None:
             sets.append(f"privacy.audit_canaries={audit_canaries}")
         budget = budget or default_budget(registry, task, baseline, sets)
         config = resolve(registry, task, baseline, budget, seed, sets)
-        check_privacy(config)  # before torchrun starts any process
+        check_run_privacy(config)  # before torchrun starts any process
         if nproc > 1 and "WORLD_SIZE" not in os.environ:
             sys.exit(subprocess.call(_torchrun_argv(nproc)))
         run_dir = resume or out or default_run_dir(config)
@@ -158,11 +160,13 @@ def register(app: typer.Typer) -> None:
             config,
             out_dir=run_dir,
             resume=resume is not None,
-            device=device,
-            data_root=data_root,
-            progress=progress,
-            checkpoint_every=checkpoint_every,
-            parallel_clients=parallel_clients,
+            options=RunOptions(
+                device=device,
+                data_root=data_root,
+                progress=progress,
+                checkpoint_every=checkpoint_every,
+                parallel_clients=parallel_clients,
+            ),
         )
         if int(os.environ.get("RANK", "0")) == 0:
             for line in run_summary(run_dir):

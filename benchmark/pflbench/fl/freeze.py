@@ -11,9 +11,12 @@ trained tensors only.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Literal
 
 from pflbench.errors import UserError
+from pflbench.spec.models import LayerFreeze
 
 
 def layer_scores(grad_sq_sums: dict[str, float], sizes: dict[str, int]) -> dict[str, float]:
@@ -48,3 +51,23 @@ def select_trained(
         )
     chosen = set(top) if train == "top" else set(ranked) - set(top)
     return [n for n in scores if n in chosen]
+
+
+def trained_tensors(
+    freeze: LayerFreeze | None, sizes: dict[str, int], seed_path: Path | None, task: str
+) -> list[str]:
+    """All parameter names (`sizes`, in model order), or those layer freezing leaves trainable,
+    scored by the squared gradients the seed training accumulated (stored beside the seed
+    model's checkpoint)."""
+    if freeze is None:
+        return list(sizes)
+    if seed_path is None:
+        raise UserError(f"task {task!r} has no seed data, whose training layer freezing ranks by")
+    meta = json.loads(seed_path.with_suffix(".json").read_text())  # checkpoint.meta_path
+    sums = meta["training"]["layer_grad_sq_sums"]
+    if not any(sums.values()):
+        raise UserError(
+            f"layer freezing: the seed model {seed_path} saw no gradients (central.steps ="
+            f" {meta['recipe']['central']['steps']}), so there are no scores to rank layers by"
+        )
+    return select_trained(layer_scores(sums, sizes), sizes, freeze.train_percent, freeze.train)

@@ -139,7 +139,9 @@ def check_budget(config: RunConfig, registry: Registry, where: str) -> Budget:
     return budget
 
 
-def check_privacy(privacy: dict | None, config: RunConfig, budget: Budget, where: str) -> None:
+def check_record_privacy(
+    privacy: dict | None, config: RunConfig, budget: Budget, where: str
+) -> None:
     """Recompute every ε claim with the pinned accountants and hold the budget's accountant's
     against the budget."""
     from pflbench.privacy.statement import check_steps_within_budget
@@ -275,7 +277,7 @@ def validate_record(
     config = check_config(record, raw, where)
     stale = check_task_version(record, registry, where, stale_ok)
     budget = check_budget(config, registry, where)
-    check_privacy(raw.get("privacy"), config, budget, where)
+    check_record_privacy(raw.get("privacy"), config, budget, where)
     check_audit_claim(raw.get("privacy"), config.recipe.privacy.audit_canaries, where)
     return stale
 

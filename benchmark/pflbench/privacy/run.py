@@ -1,0 +1,83 @@
+"""The privacy side of one run: what a budget may run, its noise, ε so far and the record's claim.
+
+`pflbench run` and the sweep refuse a configuration before any process starts when its budget
+cannot hold (`check_run_privacy`); `pflbench submit` checks a finished record's claim against the
+same rules (results/submit.py).
+"""
+
+from __future__ import annotations
+
+from pflbench.errors import UserError
+from pflbench.fl.sampling import sampling_rate
+from pflbench.privacy.accountants import compute_epsilon
+from pflbench.privacy.audit import check_audit
+from pflbench.privacy.statement import budget_noise, check_steps_within_budget, privacy_statement
+from pflbench.spec.models import RunConfig
+
+DEFAULT_DELTA = 1e-9  # δ for the simulated-scale statement of runs without a DP budget
+
+NO_FL_PRIVACY = {
+    "seed-only": "No federated training: the seed model never sees the federated users' data,"
+    " so this row spends no privacy budget on them (and claims no DP guarantee).",
+    "central": "Central fine-tuning on the pooled federated data without clipping or noise:"
+    " no DP guarantee (epsilon is infinite).",
+}
+
+
+def check_run_privacy(config: RunConfig) -> None:
+    """Refuse runs a DP budget cannot cover: DP noise is calibrated to a clipping bound (so the
+    baseline must clip), and to the budget's T (so the run may not take more central steps);
+    training that is not federated has no DP mechanism at all."""
+    training = config.recipe.training
+    if config.budget.dp and training != "federated":
+        raise UserError(
+            f"baseline {config.baseline.name!r} (training: {training}) is a non-private reference"
+            f" row, so budget {config.budget.name!r} cannot be met; use --budget none"
+        )
+    check_audit(config.recipe)
+    if config.budget.dp and config.recipe.privacy.clipping == "none":
+        raise UserError(
+            f"baseline {config.baseline.name!r} does not clip client updates "
+            f"(privacy.clipping: none), so budget {config.budget.name!r} cannot be met; "
+            "use --budget none or a clipping baseline"
+        )
+    steps = config.recipe.federated.central_steps
+    check_steps_within_budget(steps, config.budget, "federated.central_steps")
+
+
+def run_sigma_dp(config: RunConfig) -> float:
+    """σ_DP of the run: the budget's (0 without DP)."""
+    return float(budget_noise(config.budget)["sigma_dp"])
+
+
+def epsilon_so_far(config: RunConfig, sigma_dp: float, population: int, steps: int) -> float | None:
+    """ε by RDP at the simulated scale after `steps` central steps (None without noise)."""
+    if sigma_dp == 0 or steps == 0:
+        return None
+    q = sampling_rate(population, config.recipe.federated.cohort_size)
+    delta = config.budget.delta or DEFAULT_DELTA
+    return compute_epsilon(sigma_dp * q * population, q, steps, delta, "rdp").epsilon
+
+
+def privacy_claim(config: RunConfig, sigma_dp: float, population: int) -> dict:
+    """The record's `privacy`: the statement of a federated run, or why a reference row has none."""
+    if config.recipe.training != "federated":
+        return {"dp": False, "how": NO_FL_PRIVACY[config.recipe.training]}
+    fed = config.recipe.federated
+    statement = privacy_statement(
+        sigma_dp=sigma_dp,
+        clip_bound=config.recipe.privacy.clip_bound,
+        cohort=min(fed.cohort_size, population),
+        population=population,
+        steps=fed.central_steps,
+        delta=config.budget.delta or DEFAULT_DELTA,
+        sampling=fed.sampling,
+        budget=config.budget if config.budget.dp else None,
+        pseudo_users=config.task.federated_data.iid,
+    )
+    adaptive = config.recipe.privacy.adaptive_clip
+    if adaptive is not None:
+        from pflbench.privacy.adaptive import adaptive_statement
+
+        statement["adaptive_clipping"] = adaptive_statement(sigma_dp, adaptive)
+    return statement
