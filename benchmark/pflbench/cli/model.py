@@ -95,7 +95,7 @@ def register(app: typer.Typer) -> None:
         console.print(results_table(f"seed model of {task}", results))
 
     @app.command("eval")
-    def evaluate(
+    def eval_checkpoint(
         task: str = typer.Option(..., "--task", help="Task whose eval sets to score."),
         checkpoint: Path = typer.Option(..., "--checkpoint", help="A .safetensors checkpoint."),
         device: str = DeviceOption,
