@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from pflbench.fl.server_optimizers import ServerOptimizerName
 from pflbench.privacy.accountants import CalibratingAccountantName
 
 
@@ -141,7 +142,7 @@ class ClientRecipe(Strict):
 
 
 class ServerRecipe(Strict):
-    optimizer: Literal["lamb", "adam", "lars", "adagrad", "sgd"] = "lamb"
+    optimizer: ServerOptimizerName = "lamb"
     lr: float = Field(0.002, gt=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
