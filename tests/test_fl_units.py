@@ -231,7 +231,7 @@ def test_lars_without_momentum_puts_weight_decay_inside_the_trust_ratio():
 
 
 def test_trust_ratio_adds_eps_to_the_update_norm():
-    # eps is added to ‖u‖ (the server's rules use none).
+    # The seed model's LARS (pflbench.central) divides by ‖u‖ + 1e-9; the server's by ‖u‖.
     w, u = torch.tensor([6.0, 0.0, 2.0]), torch.tensor([2.0, 1.0, 0.0])
     assert trust_ratio(w, u, 0.01).tolist() == pytest.approx([0.03, 1.0, 1.0])
     assert trust_ratio(w, u, 0.01, eps=2.0).tolist() == pytest.approx([0.015, 1.0, 1.0])

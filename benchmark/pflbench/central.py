@@ -25,6 +25,7 @@ from pflbench.checkpoint import exclusive, load_checkpoint, load_model, save_che
 from pflbench.data.batching import collate, dynamic_batches
 from pflbench.data.features import spec_augment as apply_spec_augment
 from pflbench.data.store import torch_threads
+from pflbench.fl.server_optimizers import trust_ratio
 from pflbench.model.transformer import CTCTransformer, build_model, ctc_loss
 from pflbench.progress import make_progress
 from pflbench.spec.models import CentralRecipe, Recipe, SpecAugmentRecipe, Task
@@ -36,8 +37,10 @@ from pflbench.spec.resolve import canonical_json
 
 class LARS(torch.optim.Optimizer):
     """LARS (You et al., 2017) with momentum. For parameters in groups with `adapt=True` the step
-    is scaled per tensor by the trust ratio η·‖w‖/(‖g + λw‖); groups with `adapt=False` (norms and
-    biases) take plain momentum SGD steps without weight decay or trust ratio."""
+    is scaled per tensor by the trust ratio η·‖w‖/(‖g + λw‖ + eps) (1 where either norm is 0; the
+    server's LARS computes it with the same `trust_ratio`, eps 0); groups with `adapt=False` (norms
+    and biases) take plain momentum SGD steps without weight decay or trust ratio. Unlike the
+    server's (optax.lars), lr multiplies the momentum buffer, not the step that enters it."""
 
     def __init__(
         self,
@@ -67,11 +70,8 @@ class LARS(torch.optim.Optimizer):
                 update = p.grad
                 if group["adapt"]:
                     update = update + group["weight_decay"] * p
-                    w_norm, u_norm = p.norm(), update.norm()
-                    trust = torch.where(
-                        (w_norm > 0) & (u_norm > 0),
-                        group["trust_coefficient"] * w_norm / (u_norm + group["eps"]),
-                        torch.ones_like(w_norm),
+                    trust = trust_ratio(
+                        p.norm(), update.norm(), group["trust_coefficient"], group["eps"]
                     )
                     update = update * trust
                 state = self.state[p]

@@ -50,7 +50,7 @@ class ServerRule:
 
 
 # ----------------------------------------------------------------------------------------------
-# The trust ratio (LAMB, LARS)
+# The trust ratio (LAMB, LARS; also the seed model's LARS, pflbench.central)
 
 
 def trust_ratio(
