@@ -12,7 +12,7 @@ from pflbench.errors import UserError
 from pflbench.fl.distributed import _buckets, assign_users
 from pflbench.fl.freeze import layer_scores, select_trained
 from pflbench.fl.sampling import keyed_seed, sample_cohort
-from pflbench.fl.server import ServerOptimizer, learning_rate
+from pflbench.fl.server import ServerOptimizer, exponential_decay_lr
 from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS, trust_ratio, trust_ratios
 from pflbench.spec.models import LrDecay, ServerRecipe
 
@@ -265,10 +265,10 @@ def test_server_state_roundtrip_resumes_identically():
 
 def test_lr_schedule_constant_then_exponential():
     decay = LrDecay(start=10, rate=0.5, transition=4)
-    assert learning_rate(0, 0.2, decay) == learning_rate(10, 0.2, decay) == 0.2
-    assert learning_rate(14, 0.2, decay) == pytest.approx(0.1)
-    assert learning_rate(12, 0.2, decay) == pytest.approx(0.2 * 0.5**0.5)
-    assert learning_rate(99, 0.2, LrDecay()) == 0.2
+    assert exponential_decay_lr(0, 0.2, decay) == exponential_decay_lr(10, 0.2, decay) == 0.2
+    assert exponential_decay_lr(14, 0.2, decay) == pytest.approx(0.1)
+    assert exponential_decay_lr(12, 0.2, decay) == pytest.approx(0.2 * 0.5**0.5)
+    assert exponential_decay_lr(99, 0.2, LrDecay()) == 0.2
 
 
 # ---------------------------------------------------------------------------------------------

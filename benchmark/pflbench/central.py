@@ -103,7 +103,12 @@ def make_central_optimizer(named_params, recipe: CentralRecipe) -> torch.optim.O
     return torch.optim.SGD(groups, lr=recipe.lr, momentum=0.9)
 
 
-def learning_rate(recipe: CentralRecipe, step: int) -> float:
+def step_decay_lr(recipe: CentralRecipe, step: int) -> float:
+    """The seed (and central fine-tuning) schedule of step `step` (from 0): a linear warmup over
+    `warmup_steps`, then lr multiplied by `step_decay_factor` every `step_decay_every` steps (a
+    staircase; the paper's central recipe, App. F). The server has its own schedule, continuous
+    exponential decay after a constant phase as optax has it (pflbench.fl.server
+    .exponential_decay_lr): the recipes configure them with different keys, so they stay two."""
     warm = min(1.0, (step + 1) / recipe.warmup_steps) if recipe.warmup_steps else 1.0
     return recipe.lr * warm * recipe.step_decay_factor ** (step // recipe.step_decay_every)
 
@@ -239,7 +244,7 @@ def train_central(
                 continue
             torch.manual_seed(derived_seed(seed, "step", step))  # dropout, CAPE, layer drop
             for group in opt.param_groups:
-                group["lr"] = learning_rate(recipe, step)
+                group["lr"] = step_decay_lr(recipe, step)
             batch = collate([utterances[i] for i in idx]).to(device)
             gen = torch.Generator().manual_seed(derived_seed(seed, "specaug", step))
             losses.append(train_step(model, opt, batch, recipe, spec_augment, gen, grad_sq))

@@ -13,8 +13,10 @@ from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS
 from pflbench.spec.models import LrDecay, ServerRecipe
 
 
-def learning_rate(step: int, base_lr: float, decay: LrDecay) -> float:
-    """Constant, then lr·rate^((t − start)/transition) for t ≥ start (optax.exponential_decay)."""
+def exponential_decay_lr(step: int, base_lr: float, decay: LrDecay) -> float:
+    """The server's lr at central step t: constant, then lr·rate^((t − start)/transition) for
+    t ≥ start (optax.exponential_decay with transition_begin, not staircased). Seed training has
+    its own schedule (warmup, then a staircase: pflbench.central.step_decay_lr)."""
     if step < decay.start:
         return base_lr
     return base_lr * decay.rate ** ((step - decay.start) / decay.transition)
