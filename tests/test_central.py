@@ -9,9 +9,9 @@ from pflbench.central import (
     LARS,
     derived_seed,
     epoch_batches,
-    learning_rate,
     make_central_optimizer,
     seed_model,
+    step_decay_lr,
     train_central,
 )
 from pflbench.checkpoint import load_model
@@ -52,9 +52,9 @@ def test_central_optimizer_excludes_norms_and_biases_from_weight_decay():
 
 def test_step_decay_and_warmup():
     r = CentralRecipe(lr=0.5, step_decay_every=100, step_decay_factor=0.5)
-    assert [learning_rate(r, t) for t in (0, 99, 100, 250)] == [0.5, 0.5, 0.25, 0.125]
+    assert [step_decay_lr(r, t) for t in (0, 99, 100, 250)] == [0.5, 0.5, 0.25, 0.125]
     warm = CentralRecipe(lr=1.0, warmup_steps=4)
-    assert [learning_rate(warm, t) for t in (0, 1, 3, 10)] == [0.25, 0.5, 1.0, 1.0]
+    assert [step_decay_lr(warm, t) for t in (0, 1, 3, 10)] == [0.25, 0.5, 1.0, 1.0]
 
 
 TEXTS = ["red fox", "we ran", "a mat", "sat on a mat", "fox ran", "we sat", "red", "on"]

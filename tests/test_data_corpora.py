@@ -16,9 +16,11 @@ import torch
 from typer.testing import CliRunner
 
 from pflbench.cli import app
+from pflbench.cli.specs import source_name
 from pflbench.data import store as store_module
+from pflbench.data.adapters import CORPORA
 from pflbench.data.corpora import Skips, commonvoice_manifest
-from pflbench.data.prepare import data_root_for, prepare_task
+from pflbench.data.prepare import data_root_for, prepare_task, subset_manifest
 from pflbench.data.splits import apply_user_split, iid_reassign, users_digest
 from pflbench.data.store import FeatureStore, build_store
 from pflbench.data.synth import CV_COLUMNS, CV_RELEASE, SIZES, CvUsersUnit, plan_units, synthesize
@@ -304,3 +306,74 @@ def test_missing_data_errors_name_what_was_expected(
 def test_feature_store_rejects_an_unfinished_folder(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="index.json"):
         FeatureStore(tmp_path)
+
+
+# ----------------------------------------------------------------------------------------------
+# The corpus registry: each adapter finds its subsets in the tiny corpora, and says where it
+# looked when they are missing (a new corpus needs its case here and in test_data_hf.py).
+
+ADAPTER_CASES = {
+    # corpus: (subset, locale, where it lies, the not-found error under an empty root)
+    "librispeech": (
+        "dev-clean",
+        "en",
+        "LibriSpeech/dev-clean",
+        "LibriSpeech subset 'dev-clean' not found; looked for {root}/LibriSpeech/dev-clean;"
+        " {root}/dev-clean; {root}[/*librispeech*]/clean/validation/ (save_to_disk) or"
+        " clean/validation-*.parquet; {root}[/*librispeech*]/all/validation.clean/ (save_to_disk)"
+        " or all/validation.clean-*.parquet",
+    ),
+    "commonvoice": (
+        "dev",
+        "en",
+        f"{CV_RELEASE}/en/dev.tsv",
+        "Common Voice en split 'dev' not found; looked for {root}/cv-corpus-*/en/dev.tsv;"
+        " {root}/en/dev.tsv; {root}[/*common_voice*]/en/validation/ (save_to_disk or *.parquet)"
+        " or en/validation-*.parquet",
+    ),
+}
+
+
+@pytest.mark.parametrize("corpus", list(CORPORA))
+def test_each_corpus_adapter_finds_and_reads_its_subsets(
+    corpus: str, tiny_corpus_root: Path, tmp_path: Path
+) -> None:
+    adapter = CORPORA[corpus]
+    subset, locale, where, _ = ADAPTER_CASES[corpus]
+    found = adapter.find(tiny_corpus_root, subset, locale)
+    assert found == tiny_corpus_root / where
+    entries = adapter.read(found, subset, "en", Skips())
+    assert entries and {(e.corpus, e.split) for e in entries} == {(corpus, subset)}
+    assert len({e.user_id for e in entries}) > 1
+    assert adapter.find(tiny_corpus_root, "no-such-subset", locale) is None
+    assert adapter.find(tmp_path, subset, locale) is None
+    assert adapter.find_hf(tmp_path, subset, locale) is None
+
+
+@pytest.mark.parametrize("corpus", list(CORPORA))
+def test_each_corpus_adapter_names_where_it_looked(corpus: str, tmp_path: Path) -> None:
+    subset, locale, _, message = ADAPTER_CASES[corpus]
+    with pytest.raises(UserError) as raised:
+        subset_manifest(tmp_path, corpus, subset, locale, "en", Skips())
+    assert str(raised.value) == message.format(root=tmp_path)
+
+
+def test_the_corpus_registry_is_the_specs_choice_of_corpus() -> None:
+    assert list(CORPORA) == ["librispeech", "commonvoice"]  # the schemas' enum order
+    for model in (DataSource, EvalSet):
+        assert model.model_json_schema()["properties"]["corpus"]["enum"] == list(CORPORA)
+    with pytest.raises(ValueError, match="'librispeech' or 'commonvoice'"):
+        DataSource(corpus="voxpopuli", subsets=["train"])
+    # Common Voice releases hold many languages: a training source names its locale.
+    assert [CORPORA[c].needs_locale for c in CORPORA] == [False, True]
+    with pytest.raises(ValueError, match="a commonvoice source needs a locale"):
+        DataSource(corpus="commonvoice", subsets=["train"])
+    assert DataSource(corpus="librispeech", subsets=["train-clean-100"]).locale is None
+
+
+def test_sources_are_named_as_the_paper_names_them() -> None:
+    ls = DataSource(corpus="librispeech", subsets=["train-other-500", "train-clean-360"])
+    assert source_name(ls) == "LS-860"
+    assert source_name(ls.model_copy(update={"subsets": ["dev-clean"]})) == "LS:dev-clean"
+    cv = DataSource(corpus="commonvoice", subsets=["train"], locale="fr", iid=True)
+    assert source_name(cv) == "CV-fr-train (IID)"

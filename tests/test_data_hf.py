@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import soundfile as sf
 
+from pflbench.data.adapters import CORPORA
 from pflbench.data.corpora import Skips
 from pflbench.data.prepare import prepare_task, subset_manifest
 from pflbench.data.synth import CV_RELEASE
@@ -115,6 +116,30 @@ def test_hf_manifest_matches_native(hf_root: Path, tiny_corpus_root: Path) -> No
         strip = [(e.utt_id, e.user_id, e.split, e.raw_text, e.text, e.corpus) for e in native]
         assert strip == [(e.utt_id, e.user_id, e.split, e.raw_text, e.text, e.corpus) for e in hf]
         assert all(e.audio.startswith("hf:") for e in hf)
+
+
+# Where each registered corpus's Hugging Face counterpart lies in hf_root (one layout each).
+HF_CASES = {
+    "librispeech": ("dev-clean", "en", ["librispeech_asr/validation"]),  # save_to_disk, "clean"
+    "commonvoice": ("test", "en", ["common_voice_13_0/en/test/0000.parquet"]),  # <split>/*.parquet
+}
+
+
+@pytest.mark.parametrize("corpus", list(CORPORA))
+def test_each_corpus_adapter_finds_its_hugging_face_counterpart(
+    corpus: str, hf_root: Path, tmp_path: Path
+) -> None:
+    adapter = CORPORA[corpus]
+    subset, locale, parts = HF_CASES[corpus]
+    assert adapter.find(hf_root, subset, locale) is None  # no native copy: HF is next
+    found = adapter.find_hf(hf_root, subset, locale)
+    assert found == [hf_root / p for p in parts]
+    entries = adapter.read_hf(found, subset, "en", Skips())
+    assert entries and {(e.corpus, e.split) for e in entries} == {(corpus, subset)}
+    assert all(e.audio.startswith(f"hf:{hf_root}/") for e in entries)
+    assert entries == subset_manifest(hf_root, corpus, subset, locale, "en", Skips())
+    assert adapter.find_hf(tmp_path, subset, locale) is None
+    assert str(tmp_path) in adapter.looked_for_hf(tmp_path, subset, locale)[0]
 
 
 def test_ambiguous_or_missing_hf_splits_are_clear_errors(

@@ -12,7 +12,8 @@ from pflbench.errors import UserError
 from pflbench.fl.distributed import _buckets, assign_users
 from pflbench.fl.freeze import layer_scores, select_trained
 from pflbench.fl.sampling import keyed_seed, sample_cohort
-from pflbench.fl.server import ServerOptimizer, learning_rate, trust_ratios
+from pflbench.fl.server import ServerOptimizer, exponential_decay_lr
+from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS, trust_ratio, trust_ratios
 from pflbench.spec.models import LrDecay, ServerRecipe
 
 # ---------------------------------------------------------------------------------------------
@@ -49,6 +50,64 @@ def _one_step(optimizer: str, steps: int = 1, **kw) -> list[float]:
     for _ in range(steps):
         opt.step([torch.tensor([1.0, 2.0])], lr=0.1)
     return theta.tolist()
+
+
+# One step of each registered optimizer with the recipe's defaults (ξ = 1e-6, no weight decay or
+# momentum), by hand: a new optimizer needs its entry here (and the state it keeps, below).
+XI = 1e-6
+_U_ADAM = [1 / (1 + XI), 2 / (2 + XI)]  # step 1 is bias-corrected: m̂ = g, v̂ = g²
+_LAMB_RATIO = 5 / math.hypot(*_U_ADAM)  # ‖θ‖/‖u‖
+_LARS_RATIO = 0.001 * 5 / math.hypot(1, 2)  # η‖θ‖/‖g‖
+FIRST_STEP_BY_HAND = {
+    "lamb": [3 - 0.1 * _LAMB_RATIO * _U_ADAM[0], 4 - 0.1 * _LAMB_RATIO * _U_ADAM[1]],
+    "adam": [3 - 0.1 * _U_ADAM[0], 4 - 0.1 * _U_ADAM[1]],
+    "lars": [3 - 0.1 * _LARS_RATIO * 1, 4 - 0.1 * _LARS_RATIO * 2],
+    "adagrad": [3 - 0.1 * 1 * (1 / 1 + XI), 4 - 0.1 * 2 * (1 / 2 + XI)],
+    "sgd": [3 - 0.1 * 1, 4 - 0.1 * 2],
+}
+# The state each keeps, by checkpoint name (server.<slot>.<parameter>): checkpoints must load.
+STATE_NAMES = {
+    ("lamb", 0.0): {"count", "m.w", "v.w"},
+    ("adam", 0.0): {"count", "m.w", "v.w"},
+    ("lars", 0.0): {"count"},
+    ("lars", 0.9): {"count", "momentum.w"},
+    ("adagrad", 0.0): {"count", "acc.w"},
+    ("sgd", 0.0): {"count"},
+    ("sgd", 0.9): {"count", "momentum.w"},
+}
+
+
+@pytest.mark.parametrize("optimizer", list(SERVER_OPTIMIZERS))
+def test_every_registered_optimizer_takes_its_hand_computed_first_step(optimizer):
+    assert _one_step(optimizer) == pytest.approx(FIRST_STEP_BY_HAND[optimizer], rel=1e-6)
+    assert _one_step(optimizer) != pytest.approx([3.0, 4.0], rel=1e-6)  # it moved
+
+
+@pytest.mark.parametrize("optimizer", list(SERVER_OPTIMIZERS))
+def test_every_registered_optimizer_keeps_its_state_under_stable_names(optimizer):
+    for (name, momentum), names in STATE_NAMES.items():
+        if name == optimizer:
+            recipe = ServerRecipe(optimizer=optimizer, momentum=momentum)
+            opt = ServerOptimizer(recipe, ["w"], [torch.tensor([3.0, 4.0])])
+            assert set(opt.state_dict()) == names
+    assert optimizer in {name for name, _ in STATE_NAMES}
+
+
+def test_the_registry_is_the_recipes_choice_of_server_optimizer():
+    assert list(SERVER_OPTIMIZERS) == ["lamb", "adam", "lars", "adagrad", "sgd"]  # schema order
+    enum = ServerRecipe.model_json_schema()["properties"]["optimizer"]["enum"]
+    assert enum == list(SERVER_OPTIMIZERS)
+    assert all(SERVER_OPTIMIZERS[name].name == name for name in SERVER_OPTIMIZERS)
+    with pytest.raises(ValueError, match="'lamb', 'adam', 'lars', 'adagrad' or 'sgd'"):
+        ServerRecipe(optimizer="adamw")
+
+
+def test_adagrad_optax_rule_starts_its_accumulator_at_optax_default():
+    theta = torch.tensor([3.0, 4.0])
+    opt = ServerOptimizer(ServerRecipe(optimizer="adagrad", adagrad_rule="optax"), ["w"], [theta])
+    assert opt.state["acc"][0].tolist() == pytest.approx([0.1, 0.1])
+    opt = ServerOptimizer(ServerRecipe(optimizer="adagrad"), ["w"], [theta])
+    assert opt.state["acc"][0].tolist() == [0.0, 0.0]
 
 
 def test_lamb_step_uses_trust_ratio_and_xi():
@@ -156,10 +215,39 @@ def test_lars_trust_ratio_is_one_where_the_parameter_norm_is_zero():
     assert ratios.tolist() == pytest.approx([1.0, 1.0, 0.001])
 
 
+def test_adam_weight_decay_is_added_to_the_direction_not_to_g():
+    lam = 0.1
+    u = [_U_ADAM[0] + lam * 3, _U_ADAM[1] + lam * 4]
+    expected = [3 - 0.1 * u[0], 4 - 0.1 * u[1]]
+    assert _one_step("adam", weight_decay=lam) == pytest.approx(expected, rel=1e-6)
+
+
+def test_lars_without_momentum_puts_weight_decay_inside_the_trust_ratio():
+    lam = 0.1
+    u = [1 + lam * 3, 2 + lam * 4]
+    ratio = 0.001 * 5.0 / math.hypot(*u)
+    expected = [3 - 0.1 * ratio * u[0], 4 - 0.1 * ratio * u[1]]
+    assert _one_step("lars", weight_decay=lam) == pytest.approx(expected, rel=1e-6)
+
+
+def test_trust_ratio_adds_eps_to_the_update_norm():
+    # The seed model's LARS (pflbench.central) divides by ‖u‖ + 1e-9; the server's by ‖u‖.
+    w, u = torch.tensor([6.0, 0.0, 2.0]), torch.tensor([2.0, 1.0, 0.0])
+    assert trust_ratio(w, u, 0.01).tolist() == pytest.approx([0.03, 1.0, 1.0])
+    assert trust_ratio(w, u, 0.01, eps=2.0).tolist() == pytest.approx([0.015, 1.0, 1.0])
+
+
 def test_sgd_with_momentum_two_steps():
     # m1 = g, m2 = 0.9 g + g = 1.9 g: θ2 = θ − 0.1·(1 + 1.9)·g.
     expected = [3 - 0.29 * 1, 4 - 0.29 * 2]
     assert _one_step("sgd", steps=2, momentum=0.9) == pytest.approx(expected, rel=1e-6)
+
+
+def test_sgd_weight_decay_two_steps():
+    # θ1 = θ − 0.1·(g + 0.5θ) = 0.95θ − 0.1g; θ2 = 0.95θ1 − 0.1g.
+    theta1 = [0.95 * 3 - 0.1 * 1, 0.95 * 4 - 0.1 * 2]
+    expected = [0.95 * theta1[0] - 0.1 * 1, 0.95 * theta1[1] - 0.1 * 2]
+    assert _one_step("sgd", steps=2, weight_decay=0.5) == pytest.approx(expected, rel=1e-6)
 
 
 def test_server_state_roundtrip_resumes_identically():
@@ -177,10 +265,10 @@ def test_server_state_roundtrip_resumes_identically():
 
 def test_lr_schedule_constant_then_exponential():
     decay = LrDecay(start=10, rate=0.5, transition=4)
-    assert learning_rate(0, 0.2, decay) == learning_rate(10, 0.2, decay) == 0.2
-    assert learning_rate(14, 0.2, decay) == pytest.approx(0.1)
-    assert learning_rate(12, 0.2, decay) == pytest.approx(0.2 * 0.5**0.5)
-    assert learning_rate(99, 0.2, LrDecay()) == 0.2
+    assert exponential_decay_lr(0, 0.2, decay) == exponential_decay_lr(10, 0.2, decay) == 0.2
+    assert exponential_decay_lr(14, 0.2, decay) == pytest.approx(0.1)
+    assert exponential_decay_lr(12, 0.2, decay) == pytest.approx(0.2 * 0.5**0.5)
+    assert exponential_decay_lr(99, 0.2, LrDecay()) == 0.2
 
 
 # ---------------------------------------------------------------------------------------------

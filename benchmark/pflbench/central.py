@@ -25,6 +25,7 @@ from pflbench.checkpoint import exclusive, load_checkpoint, load_model, save_che
 from pflbench.data.batching import collate, dynamic_batches
 from pflbench.data.features import spec_augment as apply_spec_augment
 from pflbench.data.store import torch_threads
+from pflbench.fl.server_optimizers import trust_ratio
 from pflbench.model.transformer import CTCTransformer, build_model, ctc_loss
 from pflbench.progress import make_progress
 from pflbench.spec.models import CentralRecipe, Recipe, SpecAugmentRecipe, Task
@@ -36,8 +37,10 @@ from pflbench.spec.resolve import canonical_json
 
 class LARS(torch.optim.Optimizer):
     """LARS (You et al., 2017) with momentum. For parameters in groups with `adapt=True` the step
-    is scaled per tensor by the trust ratio η·‖w‖/(‖g + λw‖); groups with `adapt=False` (norms and
-    biases) take plain momentum SGD steps without weight decay or trust ratio."""
+    is scaled per tensor by the trust ratio η·‖w‖/(‖g + λw‖ + eps) (1 where either norm is 0; the
+    server's LARS computes it with the same `trust_ratio`, eps 0); groups with `adapt=False` (norms
+    and biases) take plain momentum SGD steps without weight decay or trust ratio. Unlike the
+    server's (optax.lars), lr multiplies the momentum buffer, not the step that enters it."""
 
     def __init__(
         self,
@@ -67,11 +70,8 @@ class LARS(torch.optim.Optimizer):
                 update = p.grad
                 if group["adapt"]:
                     update = update + group["weight_decay"] * p
-                    w_norm, u_norm = p.norm(), update.norm()
-                    trust = torch.where(
-                        (w_norm > 0) & (u_norm > 0),
-                        group["trust_coefficient"] * w_norm / (u_norm + group["eps"]),
-                        torch.ones_like(w_norm),
+                    trust = trust_ratio(
+                        p.norm(), update.norm(), group["trust_coefficient"], group["eps"]
                     )
                     update = update * trust
                 state = self.state[p]
@@ -103,7 +103,12 @@ def make_central_optimizer(named_params, recipe: CentralRecipe) -> torch.optim.O
     return torch.optim.SGD(groups, lr=recipe.lr, momentum=0.9)
 
 
-def learning_rate(recipe: CentralRecipe, step: int) -> float:
+def step_decay_lr(recipe: CentralRecipe, step: int) -> float:
+    """The seed (and central fine-tuning) schedule of step `step` (from 0): a linear warmup over
+    `warmup_steps`, then lr multiplied by `step_decay_factor` every `step_decay_every` steps (a
+    staircase; the paper's central recipe, App. F). The server has its own schedule, continuous
+    exponential decay after a constant phase as optax has it (pflbench.fl.server
+    .exponential_decay_lr): the recipes configure them with different keys, so they stay two."""
     warm = min(1.0, (step + 1) / recipe.warmup_steps) if recipe.warmup_steps else 1.0
     return recipe.lr * warm * recipe.step_decay_factor ** (step // recipe.step_decay_every)
 
@@ -246,7 +251,7 @@ def train_central(
                 continue
             torch.manual_seed(derived_seed(seed, "step", step))  # dropout, CAPE, layer drop
             for group in opt.param_groups:
-                group["lr"] = learning_rate(recipe, step)
+                group["lr"] = step_decay_lr(recipe, step)
             batch = collate([utterances[i] for i in idx]).to(device)
             gen = torch.Generator().manual_seed(derived_seed(seed, "specaug", step))
             losses.append(train_step(model, opt, batch, recipe, spec_augment, gen, grad_sq))

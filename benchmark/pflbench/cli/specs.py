@@ -26,19 +26,11 @@ def _show(loaded: Loaded, as_json: bool, extra: dict | None = None) -> None:
     console.print(yaml.safe_dump({**data, **(extra or {})}, sort_keys=False, width=100))
 
 
-_LS_NAMES = {
-    ("train-clean-100",): "LS-100",
-    ("train-clean-360", "train-other-500"): "LS-860",
-    ("train-clean-100", "train-clean-360", "train-other-500"): "LS-960",
-}
-
-
 def source_name(source) -> str:
     """The paper's name of a data source: LS-100, LS-960, CV-en-train-90, ..."""
-    if source.corpus == "librispeech":
-        name = _LS_NAMES.get(tuple(sorted(source.subsets)), "LS:" + "+".join(source.subsets))
-    else:
-        name = f"CV-{source.locale}-" + "+".join(source.subsets)
+    from pflbench.data.adapters import CORPORA
+
+    name = CORPORA[source.corpus].source_name(source.subsets, source.locale)
     if source.user_split:
         pct = source.user_split.percent
         name += f"-{pct if source.user_split.part == 'in' else 100 - pct:02g}"

@@ -1,4 +1,5 @@
-"""Corpus adapters: LibriSpeech trees and Common Voice release folders -> one manifest schema.
+"""Corpus readers: LibriSpeech trees and Common Voice release folders -> one manifest schema
+(the registry of corpora, which ties each to its Hugging Face reader in hf.py, is adapters.py).
 
 A data root may hold (exactly as downloaded, nothing renamed):
   LibriSpeech/<subset>/<speaker>/<chapter>/*.flac + <speaker>-<chapter>.trans.txt (+ SPEAKERS.TXT),

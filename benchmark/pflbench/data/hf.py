@@ -21,7 +21,7 @@ Where: a dataset folder D is the data root itself or a folder directly in it who
 Found in more than one place -> UserError listing them. Fields: librispeech_asr `id, speaker_id,
 text, audio` (file, chapter_id unused); Common Voice `client_id, path, sentence, audio`. `audio` is
 {bytes, path} (an encoded file, decoded with soundfile) or {array, sampling_rate}. User ids and
-skips are those of the native adapters (corpora.py).
+skips are those of the native readers (corpora.py).
 """
 
 from __future__ import annotations

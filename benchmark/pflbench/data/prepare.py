@@ -11,26 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pflbench.checkpoint import exclusive
-from pflbench.data.corpora import (
-    Entry,
-    Skips,
-    commonvoice_looked_for,
-    commonvoice_manifest,
-    commonvoice_tsv,
-    librispeech_looked_for,
-    librispeech_manifest,
-    librispeech_subset_dir,
-    speaker_groups,
-)
+from pflbench.data.adapters import CORPORA
+from pflbench.data.corpora import Entry, Skips, speaker_groups
 from pflbench.data.features import FEATURE_CONFIG
-from pflbench.data.hf import (
-    commonvoice_hf_looked_for,
-    commonvoice_hf_manifest,
-    commonvoice_hf_parts,
-    librispeech_hf_looked_for,
-    librispeech_hf_manifest,
-    librispeech_hf_parts,
-)
 from pflbench.data.splits import apply_user_split, iid_reassign, users_digest
 from pflbench.data.store import FeatureStore, build_store
 from pflbench.data.synth import SYNTH_VERSION, synthesize_cached
@@ -95,31 +78,22 @@ def data_root_for(
 def subset_manifest(
     root: Path, corpus: str, subset: str, locale: str | None, language: str, skips: Skips
 ) -> list[Entry]:
-    """The native corpus (LibriSpeech tree, Common Voice release) if present, else a Hugging Face
-    dataset (hf.py); the error lists every place looked at."""
-    if corpus == "librispeech":
-        folder = librispeech_subset_dir(root, subset)
-        if folder is not None:
-            return librispeech_manifest(folder, subset, language, skips)
-        parts = librispeech_hf_parts(root, subset)
-        if parts:
-            return librispeech_hf_manifest(parts, subset, language, skips)
-        looked_for = librispeech_looked_for(root, subset) + librispeech_hf_looked_for(root, subset)
-        raise UserError(
-            f"LibriSpeech subset {subset!r} not found; looked for " + "; ".join(looked_for)
-        )
+    """The corpus as downloaded (a LibriSpeech tree, a Common Voice release) if present, else its
+    Hugging Face dataset; the error lists every place looked at. The corpus's adapter
+    (pflbench.data.adapters) knows where each lies and how to read it."""
+    adapter = CORPORA[corpus]
     locale = locale or language
-    tsv = commonvoice_tsv(root, locale, subset)
-    if tsv is not None:
-        return commonvoice_manifest(tsv, subset, language, skips)
-    parts = commonvoice_hf_parts(root, locale, subset)
+    found = adapter.find(root, subset, locale)
+    if found:
+        return adapter.read(found, subset, language, skips)
+    parts = adapter.find_hf(root, subset, locale)
     if parts:
-        return commonvoice_hf_manifest(parts, subset, language, skips)
-    looked_for = commonvoice_looked_for(root, locale, subset) + commonvoice_hf_looked_for(
-        root, locale, subset
+        return adapter.read_hf(parts, subset, language, skips)
+    looked_for = adapter.looked_for(root, subset, locale) + adapter.looked_for_hf(
+        root, subset, locale
     )
     raise UserError(
-        f"Common Voice {locale} split {subset!r} not found; looked for " + "; ".join(looked_for)
+        f"{adapter.describe(subset, locale)} not found; looked for " + "; ".join(looked_for)
     )
 
 

@@ -29,7 +29,7 @@ from pflbench.fl.client import ClientTrainer, SequentialClientTrainer
 from pflbench.fl.distributed import DistContext, assign_users
 from pflbench.fl.parallel import ParallelClientTrainer
 from pflbench.fl.sampling import expected_cohort, sample_cohort
-from pflbench.fl.server import ServerOptimizer, learning_rate
+from pflbench.fl.server import ServerOptimizer, exponential_decay_lr
 from pflbench.privacy.adaptive import next_clip_bound
 from pflbench.privacy.audit import CanaryAudit
 from pflbench.spec.models import ClientRecipe, Recipe
@@ -152,7 +152,7 @@ class Simulator:
                 aggregator.add(result.update, user, result.loss, result.local_steps, result.frames)
         grads, stats = aggregator.finish()
         fed = self.recipe.federated
-        lr = learning_rate(step, fed.server.lr, fed.server.decay)
+        lr = exponential_decay_lr(step, fed.server.lr, fed.server.decay)
         self.server.step(grads, lr)
         adaptive = self.recipe.privacy.adaptive_clip
         if adaptive is not None:

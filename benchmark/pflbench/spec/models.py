@@ -10,6 +10,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
+from pflbench.data.adapters import CORPORA, CorpusName
+from pflbench.fl.server_optimizers import ServerOptimizerName
 from pflbench.privacy.accountants import CalibratingAccountantName
 
 
@@ -33,7 +35,7 @@ class UserSplit(Strict):
 class DataSource(Strict):
     """One training set: a corpus, the subsets/split it reads, and how users are formed."""
 
-    corpus: Literal["librispeech", "commonvoice"]
+    corpus: CorpusName
     subsets: list[str] = Field(
         min_length=1,
         description="LibriSpeech subsets (train-clean-100, ...) or Common Voice splits (train).",
@@ -43,15 +45,15 @@ class DataSource(Strict):
     iid: bool = Field(False, description="Reassign each utterance a user id uniformly at random.")
 
     @model_validator(mode="after")
-    def _locale_for_cv(self) -> DataSource:
-        if self.corpus == "commonvoice" and not self.locale:
-            raise ValueError("a commonvoice source needs a locale")
+    def _locale_where_the_corpus_needs_one(self) -> DataSource:
+        if CORPORA[self.corpus].needs_locale and not self.locale:
+            raise ValueError(f"a {self.corpus} source needs a locale")
         return self
 
 
 class EvalSet(Strict):
     name: str
-    corpus: Literal["librispeech", "commonvoice"]
+    corpus: CorpusName
     subset: str = Field(description="LibriSpeech subset (dev-clean, ...) or CV split (dev, test).")
     locale: str | None = None
     role: Literal["dev", "test"]
@@ -141,7 +143,7 @@ class ClientRecipe(Strict):
 
 
 class ServerRecipe(Strict):
-    optimizer: Literal["lamb", "adam", "lars", "adagrad", "sgd"] = "lamb"
+    optimizer: ServerOptimizerName = "lamb"
     lr: float = Field(0.002, gt=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
