@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
         as_json: bool = JsonOption,
     ) -> None:
         """Feature extraction speed, per-user load time, synthesis time."""
-        from pflbench.data.prepare import bench_data
+        from pflbench.data.bench import bench_data
 
         _print("data pipeline", bench_data(include_small=small), as_json)
 
