@@ -12,7 +12,6 @@ from scipy import stats
 from test_results_plots import assert_image
 from typer.testing import CliRunner
 
-import pflbench.fl.aggregate as aggregate
 from pflbench.cli import app
 from pflbench.cli.run import run_summary
 from pflbench.errors import UserError
@@ -31,6 +30,7 @@ from pflbench.privacy.audit import (
     gdp_mu,
 )
 from pflbench.privacy.clipping import clip_update, layer_bounds
+from pflbench.privacy.noise import server_noise_std
 from pflbench.privacy.statement import epsilons_at_scale
 from pflbench.results.leaderboard import render_leaderboard
 from pflbench.results.plots import plot_results
@@ -274,8 +274,9 @@ def test_canaries_take_client_side_noise_and_count_in_fixed_cohorts():
 
 def test_audit_of_a_broken_noise_exceeds_the_accountants(monkeypatch):
     # Test-only fault injection: the server adds 1/100 of the noise the accountant assumes.
-    true_std = aggregate.server_noise_std
-    monkeypatch.setattr(aggregate, "server_noise_std", lambda c, s: true_std(c, s) / 100)
+    monkeypatch.setattr(
+        "pflbench.privacy.steps.server_noise_std", lambda c, s: server_noise_std(c, s) / 100
+    )
     audit = audit_aggregator(sigma_for(0.5), 0.5)
     accountant = max(audit["accountant_epsilon_simulated"].values())
     assert audit["epsilon_estimate"] > 2 * accountant

@@ -1,0 +1,208 @@
+"""One central step's user-level DP mechanism as small steps, each testable alone (after the
+"postprocessors" of Apple's pfl-research).
+
+Per-user steps change a user's update (name -> tensor) in place, before it goes into the sum,
+and return what they saw, for the step's stats (never released):
+
+    ZeroNonfinite     a NaN/Inf update becomes zeros            {"nonfinite"}
+    ClipGlobal        ‖Δ‖ ≤ C                                   {"norms", "clipped"}
+    ClipPerLayer      ‖Δ_h‖ ≤ C_h with Σ C_h² = C²              {"norms", "clipped"}
+    MeasureNorms      no clipping: only the norms               {"norms", "clipped"}
+    AddClientNoise    + N(0, C²σ²S), from the user's own stream {}
+
+Aggregate steps change the averaged update once: AddServerNoise adds N(0, (C·σ)²). Adaptive
+clipping also releases the fraction of users within the bound (ReleaseUnclippedFraction), a
+separate release of a count, not of the update. `privacy_steps` builds them all from the recipe:
+it is the only place that reads privacy.clipping and privacy.noise_placement.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from torch import Tensor
+
+from pflbench.privacy.adaptive import noisy_unclipped_fraction, update_noise
+from pflbench.privacy.clipping import clip_update, layer_norms, zero_if_nonfinite
+from pflbench.privacy.noise import (
+    add_gaussian_noise,
+    client_noise_std,
+    noise_generator,
+    server_noise_std,
+)
+from pflbench.spec.models import PrivacyRecipe
+
+# Client-side noise widens the range of an update's elements in the fixed-point sum: it is taken
+# as 40 std (a normal draw that far out has probability ~e^-800; ExactSum refuses one that is).
+NOISE_HEADROOM = 40.0
+
+
+class UserStep(Protocol):
+    """Changes one user's update in place; returns what it saw of it, for the stats."""
+
+    def apply(self, update: dict[str, Tensor], user: str) -> dict: ...
+
+
+class AggregateStep(Protocol):
+    """Changes the averaged update in place."""
+
+    def apply(self, average: dict[str, Tensor]) -> None: ...
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-user steps
+
+
+@dataclass(frozen=True)
+class ZeroNonfinite:
+    """Zero an update holding a NaN/Inf: zeros are inside every bound, so DP holds."""
+
+    def apply(self, update: dict[str, Tensor], user: str) -> dict:
+        return {"nonfinite": zero_if_nonfinite(update)}
+
+
+@dataclass(frozen=True)
+class ClipGlobal:
+    """Scale an update over the L2 bound C down to it."""
+
+    bound: float
+
+    def apply(self, update: dict[str, Tensor], user: str) -> dict:
+        clipped = clip_update(update, "global", self.bound, in_place=True)
+        return {"norms": clipped.norms, "clipped": clipped.changed}
+
+
+@dataclass(frozen=True)
+class ClipPerLayer:
+    """Clip each layer to its bound C_h (privacy/clipping.py: how `mode` splits C, what `rule`
+    does to the layers under their bound)."""
+
+    bound: float
+    mode: Literal["uniform", "dim"]
+    rule: Literal["clip", "normalize"]
+
+    def apply(self, update: dict[str, Tensor], user: str) -> dict:
+        clipped = clip_update(
+            update,
+            "perlayer",
+            self.bound,
+            perlayer_mode=self.mode,
+            in_place=True,
+            perlayer_rule=self.rule,
+        )
+        return {"norms": clipped.norms, "clipped": clipped.changed}
+
+
+@dataclass(frozen=True)
+class MeasureNorms:
+    """No clipping: the update stays as it is, its per-layer norms still go into the stats."""
+
+    def apply(self, update: dict[str, Tensor], user: str) -> dict:
+        return {"norms": layer_norms(list(update.values())), "clipped": False}
+
+
+@dataclass(frozen=True)
+class AddClientNoise:
+    """Add N(0, std²) to a user's update from that user's stream at this step (so the noise does
+    not depend on which process trains the user, or when)."""
+
+    std: float
+    seed: int
+    step: int
+    device: str
+
+    def apply(self, update: dict[str, Tensor], user: str) -> dict:
+        generator = noise_generator(self.seed, self.step, user=user, device=self.device)
+        add_gaussian_noise(update, self.std, generator)
+        return {}
+
+
+# ----------------------------------------------------------------------------------------------
+# Aggregate steps
+
+
+@dataclass(frozen=True)
+class AddServerNoise:
+    """Add N(0, std²) once to the averaged update, from this step's server stream."""
+
+    std: float
+    seed: int
+    step: int
+    device: str
+
+    def apply(self, average: dict[str, Tensor]) -> None:
+        generator = noise_generator(self.seed, self.step, device=self.device)
+        add_gaussian_noise(average, self.std, generator)
+
+
+@dataclass(frozen=True)
+class ReleaseUnclippedFraction:
+    """Adaptive clipping's release (privacy/adaptive.py): the count of users within the bound
+    over the expected cohort, plus N(0, bit_noise²) drawn on the CPU."""
+
+    bit_noise: float
+    denominator: float
+    seed: int
+    step: int
+
+    def apply(self, unclipped: float) -> float:
+        generator = noise_generator(self.seed, self.step, user="adaptive-clip")
+        return noisy_unclipped_fraction(unclipped, self.denominator, self.bit_noise, generator)
+
+
+# ----------------------------------------------------------------------------------------------
+# The factory
+
+
+@dataclass(frozen=True)
+class PrivacySteps:
+    per_user: list[UserStep]  # on each user's update, in order, before the sum
+    aggregate: list[AggregateStep]  # on the average, in order
+    max_abs: float  # the largest element an update can hold when it goes into the sum
+    # Each user noises its own update: the noiseless average never exists, and its noise is
+    # right only when exactly `denominator` users took part.
+    client_noise: bool
+    unclipped_fraction: ReleaseUnclippedFraction | None  # with adaptive clipping
+
+
+def privacy_steps(
+    privacy: PrivacyRecipe,
+    sigma_dp: float,
+    clip_bound: float,
+    denominator: float,
+    update_bound: float,
+    seed: int,
+    step: int,
+    device: str,
+) -> PrivacySteps:
+    """The mechanism of central step `step` at clip bound `clip_bound` (C_t under adaptive
+    clipping); `update_bound` bounds an unclipped update's elements."""
+    per_user: list[UserStep] = [ZeroNonfinite()]  # first: a NaN/Inf update has no norm
+    max_abs = clip_bound  # every element of a clipped update
+    if privacy.clipping == "global":
+        per_user.append(ClipGlobal(clip_bound))
+    elif privacy.clipping == "perlayer":
+        per_user.append(ClipPerLayer(clip_bound, privacy.perlayer_mode, privacy.perlayer_rule))
+    else:
+        per_user.append(MeasureNorms())
+        max_abs = update_bound
+
+    client_noise = sigma_dp > 0 and privacy.noise_placement == "client"
+    if client_noise:  # after clipping, which would shrink the noise below C·σ
+        std = client_noise_std(clip_bound, sigma_dp, denominator)
+        per_user.append(AddClientNoise(std, seed, step, device))
+        max_abs += NOISE_HEADROOM * std
+
+    aggregate: list[AggregateStep] = []
+    adaptive = privacy.adaptive_clip
+    bit_noise = adaptive.bit_noise if adaptive is not None and sigma_dp > 0 else 0.0
+    if sigma_dp > 0 and privacy.noise_placement == "server":
+        # The bits take their share of σ_DP: the update gets the rest, σ_Δ > σ_DP.
+        sigma = update_noise(sigma_dp, bit_noise) if bit_noise else sigma_dp
+        aggregate.append(AddServerNoise(server_noise_std(clip_bound, sigma), seed, step, device))
+
+    release = None
+    if adaptive is not None:  # released even without DP (then with no noise): it moves C_t
+        release = ReleaseUnclippedFraction(bit_noise, denominator, seed, step)
+    return PrivacySteps(per_user, aggregate, max_abs, client_noise, release)

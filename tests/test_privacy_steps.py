@@ -1,0 +1,271 @@
+"""The privacy steps (privacy/steps.py), each alone, and the factory that orders them per recipe."""
+
+import itertools
+import math
+
+import pytest
+import torch
+from pydantic import ValidationError
+
+from pflbench.errors import UserError
+from pflbench.privacy.adaptive import update_noise
+from pflbench.privacy.clipping import layer_bounds, layer_norms
+from pflbench.privacy.noise import noise_generator
+from pflbench.privacy.steps import (
+    NOISE_HEADROOM,
+    AddClientNoise,
+    AddServerNoise,
+    ClipGlobal,
+    ClipPerLayer,
+    MeasureNorms,
+    ReleaseUnclippedFraction,
+    ZeroNonfinite,
+    privacy_steps,
+)
+from pflbench.spec.models import AdaptiveClip, PrivacyRecipe
+
+SHAPES = {"enc.w": (64, 48), "enc.b": (48,), "out.w": (31, 48), "out.b": (31,)}
+C, SIGMA, S, UPDATE_BOUND, SEED, STEP = 0.5, 0.02, 16.0, 7.0, 3, 11
+
+
+def random_update(scale: float = 1.0, seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=generator) * scale for n, s in SHAPES.items()}
+
+
+def copy(update: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in update.items()}
+
+
+def total_norm(update: dict[str, torch.Tensor]) -> float:
+    return float(layer_norms(list(update.values())).double().norm())
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return list(a) == list(b) and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def steps_for(sigma_dp: float = SIGMA, clip_bound: float = C, **privacy):
+    return privacy_steps(
+        PrivacyRecipe(**privacy), sigma_dp, clip_bound, S, UPDATE_BOUND, SEED, STEP, "cpu"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-user steps
+
+
+def test_zero_nonfinite_zeroes_a_broken_update_and_says_so():
+    update = random_update()
+    update["out.b"][3] = float("inf")
+    assert ZeroNonfinite().apply(update, "u") == {"nonfinite": True}
+    assert all(not t.any() for t in update.values())
+    finite = random_update()
+    kept = copy(finite)
+    assert ZeroNonfinite().apply(finite, "u") == {"nonfinite": False}
+    assert same(finite, kept)
+
+
+def test_clip_global_bounds_the_norm_keeps_the_direction_and_reports_the_norms_before():
+    update = random_update()  # norm ~70, far over C
+    before = copy(update)
+    facts = ClipGlobal(C).apply(update, "u")
+    assert facts["clipped"] is True
+    assert torch.equal(facts["norms"], layer_norms(list(before.values())))
+    assert C * (1 - 1e-6) < total_norm(update) <= C
+    scale = total_norm(update) / total_norm(before)
+    for name in SHAPES:
+        torch.testing.assert_close(update[name], before[name] * scale, rtol=1e-5, atol=0)
+    small = random_update(scale=1e-4)  # norm ~7e-3, inside C: left bitwise alone
+    kept = copy(small)
+    assert ClipGlobal(C).apply(small, "u")["clipped"] is False
+    assert same(small, kept)
+
+
+@pytest.mark.parametrize("mode", ["uniform", "dim"])
+@pytest.mark.parametrize("rule", ["clip", "normalize"])
+def test_clip_per_layer_bounds_every_layer_by_its_rule(mode, rule):
+    bounds = layer_bounds([math.prod(s) for s in SHAPES.values()], C, mode)
+    update = random_update()
+    update["out.b"] *= 1e-6  # one layer far under its bound
+    before = copy(update)
+    facts = ClipPerLayer(C, mode, rule).apply(update, "u")
+    assert facts["clipped"] is True
+    assert torch.equal(facts["norms"], layer_norms(list(before.values())))
+    after = layer_norms(list(update.values()))
+    assert bool((after <= bounds).all()) and total_norm(update) <= C
+    if rule == "clip":  # the small layer stays as it was, the others shrink to their bound
+        assert torch.equal(update["out.b"], before["out.b"])
+        torch.testing.assert_close(after[:3], bounds[:3], rtol=1e-5, atol=0)
+    else:  # every non-zero layer is rescaled to its bound, the small one up
+        torch.testing.assert_close(after, bounds, rtol=1e-5, atol=0)
+
+
+def test_measure_norms_leaves_the_update_alone():
+    update = random_update()
+    kept = copy(update)
+    facts = MeasureNorms().apply(update, "u")
+    assert facts["clipped"] is False
+    assert torch.equal(facts["norms"], layer_norms(list(kept.values())))
+    assert same(update, kept)
+
+
+def test_client_noise_has_std_c_sigma_sqrt_denominator_from_the_user_s_stream():
+    mechanism = steps_for(clipping="global", noise_placement="client")
+    noise = mechanism.per_user[-1]
+    assert isinstance(noise, AddClientNoise)
+    update = {"w": torch.zeros(400_000)}
+    assert noise.apply(update, "alice") == {}
+    # The std estimate's relative standard error is 1/sqrt(2n) ~ 0.1%.
+    assert float(update["w"].double().std()) == pytest.approx(C * SIGMA * math.sqrt(S), rel=0.01)
+    generator = noise_generator(SEED, STEP, user="alice")
+    expected = torch.randn(400_000, generator=generator) * (C * SIGMA * math.sqrt(S))
+    torch.testing.assert_close(update["w"], expected, rtol=1e-6, atol=0)
+    again, other = {"w": torch.zeros(400_000)}, {"w": torch.zeros(400_000)}
+    noise.apply(again, "alice")
+    noise.apply(other, "bob")
+    assert torch.equal(again["w"], update["w"]) and not torch.allclose(other["w"], update["w"])
+
+
+# ----------------------------------------------------------------------------------------------
+# Aggregate steps and the adaptive release
+
+
+def test_server_noise_has_std_c_sigma_from_the_step_s_stream():
+    (noise,) = steps_for(clipping="global").aggregate
+    average = {"a": torch.zeros(200_000), "b": torch.zeros(200_000)}
+    noise.apply(average)
+    values = torch.cat(list(average.values())).double()
+    assert float(values.std()) == pytest.approx(C * SIGMA, rel=0.01)
+    assert abs(float(values.mean())) < 5 * C * SIGMA / math.sqrt(values.numel())
+    again = {"a": torch.zeros(200_000), "b": torch.zeros(200_000)}
+    noise.apply(again)
+    assert same(again, average)  # keyed by (seed, step): a resumed run draws the same noise
+    (next_step,) = privacy_steps(
+        PrivacyRecipe(clipping="global"), SIGMA, C, S, UPDATE_BOUND, SEED, STEP + 1, "cpu"
+    ).aggregate
+    moved = {"a": torch.zeros(200_000), "b": torch.zeros(200_000)}
+    next_step.apply(moved)
+    assert not torch.allclose(moved["a"], average["a"])
+
+
+def test_adaptive_server_noise_is_c_t_sigma_delta_and_the_release_spends_the_rest():
+    adaptive = AdaptiveClip(target_quantile=0.5, lr=0.2, bit_noise=0.015)
+    bound = 4 * C  # the step's C_t, moved by the adaptation
+    mechanism = steps_for(sigma_dp=SIGMA, clip_bound=bound, adaptive_clip=adaptive)
+    (noise,) = mechanism.aggregate
+    average = {"w": torch.zeros(400_000)}
+    noise.apply(average)
+    sigma_delta = update_noise(SIGMA, adaptive.bit_noise)
+    assert sigma_delta > 1.3 * SIGMA  # the bits' share shows
+    assert float(average["w"].double().std()) == pytest.approx(bound * sigma_delta, rel=0.01)
+    release = mechanism.unclipped_fraction
+    fractions = torch.tensor(
+        [
+            ReleaseUnclippedFraction(adaptive.bit_noise, S, SEED, step).apply(12.0)
+            for step in range(2000)
+        ],
+        dtype=torch.float64,
+    )
+    assert release == ReleaseUnclippedFraction(adaptive.bit_noise, S, SEED, STEP)
+    assert float(fractions.mean()) == pytest.approx(
+        12.0 / S, abs=4 * adaptive.bit_noise / math.sqrt(2000)
+    )
+    assert float(fractions.std()) == pytest.approx(adaptive.bit_noise, rel=0.05)
+    assert release.apply(12.0) == release.apply(12.0)  # keyed: a resume releases the same
+
+
+def test_without_dp_the_adaptive_release_is_the_exact_fraction():
+    adaptive = AdaptiveClip(target_quantile=0.5, lr=0.2, bit_noise=0.03)
+    mechanism = steps_for(sigma_dp=0.0, adaptive_clip=adaptive)
+    assert mechanism.aggregate == []
+    assert mechanism.unclipped_fraction.apply(12.0) == 12.0 / S
+
+
+# ----------------------------------------------------------------------------------------------
+# The factory
+
+
+def test_the_factory_orders_the_steps_each_recipe_asks_for():
+    client_std = C * SIGMA * math.sqrt(S)
+    clip_global = [ZeroNonfinite(), ClipGlobal(C)]
+    cases = [
+        ({"clipping": "none"}, 0.0, [ZeroNonfinite(), MeasureNorms()], [], UPDATE_BOUND),
+        ({"clipping": "global"}, 0.0, clip_global, [], C),
+        (
+            {"clipping": "global"},
+            SIGMA,
+            clip_global,
+            [AddServerNoise(C * SIGMA, SEED, STEP, "cpu")],
+            C,
+        ),
+        (
+            {"perlayer_mode": "uniform", "perlayer_rule": "normalize"},
+            SIGMA,
+            [ZeroNonfinite(), ClipPerLayer(C, "uniform", "normalize")],
+            [AddServerNoise(C * SIGMA, SEED, STEP, "cpu")],
+            C,
+        ),
+        (
+            {"clipping": "global", "noise_placement": "client"},
+            SIGMA,
+            [*clip_global, AddClientNoise(client_std, SEED, STEP, "cpu")],
+            [],
+            C + NOISE_HEADROOM * client_std,
+        ),
+        ({"clipping": "global", "noise_placement": "client"}, 0.0, clip_global, [], C),
+    ]
+    for privacy, sigma_dp, per_user, aggregate, max_abs in cases:
+        mechanism = steps_for(sigma_dp, **privacy)
+        assert mechanism.per_user == per_user, privacy
+        assert mechanism.aggregate == aggregate, privacy
+        assert mechanism.max_abs == pytest.approx(max_abs, rel=1e-15), privacy
+        assert mechanism.client_noise == isinstance(per_user[-1], AddClientNoise)
+        assert mechanism.unclipped_fraction is None
+
+
+def test_the_factory_builds_every_mechanism_the_recipe_allows_and_refuses_nothing_new():
+    # Every combination the spec accepts builds, in the order zero → clip/measure → client noise,
+    # and its per-user steps give the aggregator the facts its stats need.
+    built = 0
+    options = itertools.product(
+        ["none", "global", "perlayer"],
+        ["uniform", "dim"],
+        ["clip", "normalize"],
+        ["server", "client"],
+        [None, AdaptiveClip(bit_noise=0.05)],
+        [0.0, SIGMA],
+    )
+    for clipping, mode, rule, placement, adaptive, sigma_dp in options:
+        fields = dict(clipping=clipping, perlayer_mode=mode, perlayer_rule=rule)
+        fields |= dict(noise_placement=placement, adaptive_clip=adaptive)
+        try:
+            privacy = PrivacyRecipe(**fields)
+        except ValidationError:
+            continue
+        mechanism = privacy_steps(privacy, sigma_dp, C, S, UPDATE_BOUND, SEED, STEP, "cpu")
+        first, second, *rest = mechanism.per_user
+        assert first == ZeroNonfinite()
+        clip = {"none": MeasureNorms, "global": ClipGlobal, "perlayer": ClipPerLayer}[clipping]
+        assert isinstance(second, clip)
+        noisy = sigma_dp > 0
+        client_noise = AddClientNoise(C * SIGMA * math.sqrt(S), SEED, STEP, "cpu")
+        assert rest == ([client_noise] if noisy and placement == "client" else [])
+        assert len(mechanism.aggregate) == int(noisy and placement == "server")
+        assert (mechanism.unclipped_fraction is None) == (adaptive is None)
+        facts = {}
+        for step in mechanism.per_user:
+            facts |= step.apply(random_update(), "u")
+        assert set(facts) == {"nonfinite", "norms", "clipped"}
+        built += 1
+    # Per σ: 3 clippings × 2 modes × 2 rules × 2 placements, and with adaptive clipping
+    # 2 clippings × 2 modes × 2 rules on the server.
+    assert built == 2 * (24 + 8)
+
+
+def test_adaptive_bits_that_would_use_the_whole_budget_are_refused_as_before():
+    # The one refusal in the factory is update_noise's, raised before any user is trained now
+    # (it used to come at the end of the first step).
+    with pytest.raises(UserError, match="bit_noise 0.01 must exceed"):
+        steps_for(sigma_dp=SIGMA, adaptive_clip=AdaptiveClip(bit_noise=0.01))
+    steps_for(sigma_dp=0.0, adaptive_clip=AdaptiveClip(bit_noise=0.01))  # no DP: nothing to split
