@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from pflbench.checkpoint import load_checkpoint, load_model, save_checkpoint, save_model
+from pflbench.checkpoint import (
+    load_checkpoint,
+    load_model,
+    save_checkpoint,
+    save_model,
+    tensors_digest,
+)
 from pflbench.errors import UserError
 from pflbench.model import build_model
 
@@ -92,3 +98,13 @@ def test_exclusive_serializes_processes_sharing_a_cache(tmp_path):
     second.join(30)
     assert first.exitcode == 0 and second.exitcode == 0
     assert log.read_text().split() == ["a-in", "a-out", "b-in", "b-out"]
+
+
+def test_tensors_digest_covers_step_checkpoints_scalars_and_every_byte(tmp_path):
+    tensors = {"w": torch.arange(6.0).reshape(2, 3), "step": torch.tensor(7, dtype=torch.int64)}
+    save_checkpoint(tmp_path / "a.safetensors", tensors, {})
+    digest = tensors_digest(tmp_path / "a.safetensors")  # 0-dim tensors included
+    save_checkpoint(tmp_path / "b.safetensors", {**tensors, "step": torch.tensor(8)}, {})
+    save_checkpoint(tmp_path / "c.safetensors", {**tensors, "w": tensors["w"].reshape(3, 2)}, {})
+    others = {tensors_digest(tmp_path / f"{n}.safetensors") for n in "bc"}
+    assert digest not in others and len(others) == 2

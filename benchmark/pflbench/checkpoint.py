@@ -58,7 +58,7 @@ def tensors_digest(path: Path) -> str:
     h = hashlib.sha256()
     for name, t in sorted(load_file(str(path)).items()):
         h.update(f"{name}\t{t.dtype}\t{tuple(t.shape)}\n".encode())
-        h.update(t.contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())  # 0-dim too
     return h.hexdigest()
 
 
