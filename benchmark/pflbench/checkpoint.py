@@ -38,6 +38,10 @@ def atomic_write(path: Path, write) -> None:
     os.replace(tmp, path)
 
 
+def atomic_write_text(path: Path, text: str) -> None:
+    atomic_write(path, lambda tmp: tmp.write_text(text))
+
+
 @contextmanager
 def exclusive(lock_path: Path) -> Iterator[None]:
     """Hold an exclusive lock on `lock_path` (created if needed): runs that share a cache (a sweep
@@ -68,7 +72,7 @@ def save_checkpoint(path: Path, tensors: dict[str, Tensor], meta: dict) -> None:
     cpu = {name: t.detach().to("cpu").contiguous() for name, t in tensors.items()}
     atomic_write(path, lambda tmp: save_file(cpu, str(tmp)))
     text = json.dumps(meta, indent=2, sort_keys=True, default=str)
-    atomic_write(meta_path(path), lambda tmp: tmp.write_text(text))
+    atomic_write_text(meta_path(path), text)
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict]:

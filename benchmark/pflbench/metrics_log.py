@@ -14,7 +14,7 @@ import json
 import warnings
 from pathlib import Path
 
-from pflbench.checkpoint import atomic_write
+from pflbench.checkpoint import atomic_write_text
 
 TENSORBOARD_DIR = "tensorboard"
 # Scalars of a training line, by TensorBoard tag.
@@ -58,7 +58,7 @@ class MetricsLog:
     def __init__(self, run_dir: Path, lines: list[dict], steps_done: int):
         self.path = Path(run_dir) / "metrics.jsonl"
         text = "".join(json.dumps(x) + "\n" for x in lines)
-        atomic_write(self.path, lambda tmp: tmp.write_text(text))
+        atomic_write_text(self.path, text)
         self.tensorboard = tensorboard_writer(Path(run_dir) / TENSORBOARD_DIR, steps_done + 1)
         self.file = open(self.path, "a")  # noqa: SIM115 (closed by close())
 

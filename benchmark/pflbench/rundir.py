@@ -19,7 +19,7 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pflbench.checkpoint import atomic_write
+from pflbench.checkpoint import atomic_write_text
 from pflbench.errors import UserError
 from pflbench.results.schema import safe_name
 from pflbench.spec.models import RunConfig
@@ -31,16 +31,12 @@ def default_run_dir(config: RunConfig, root: Path = Path("runs")) -> Path:
     return root / config.task.name / config.baseline.name / config.budget.name / name
 
 
-def write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(text))
-
-
 def is_done(run_dir: Path) -> bool:
     return (run_dir / "DONE").is_file()
 
 
 def mark_done(run_dir: Path) -> None:
-    write_text(run_dir / "DONE", datetime.now(UTC).isoformat() + "\n")
+    atomic_write_text(run_dir / "DONE", datetime.now(UTC).isoformat() + "\n")
 
 
 def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> None:
@@ -68,7 +64,7 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> None:
             "or choose another --out"
         )
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
-    write_text(existing, config_json + "\n")
+    atomic_write_text(existing, config_json + "\n")
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
@@ -90,4 +86,4 @@ def write_utterance_errors(run_dir: Path, results: dict) -> None:
     folder.mkdir(exist_ok=True)
     for name, r in results.items():
         lines = [json.dumps(u, sort_keys=True) + "\n" for u in r["utterances"]]
-        write_text(folder / f"{safe_name(name, 'eval set')}.jsonl", "".join(lines))
+        atomic_write_text(folder / f"{safe_name(name, 'eval set')}.jsonl", "".join(lines))

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from pflbench import __version__
-from pflbench.checkpoint import atomic_write, tensors_digest
+from pflbench.checkpoint import atomic_write_text, tensors_digest
 from pflbench.evaluate import evaluate_task
 from pflbench.results.schema import (
     RECORD_SCHEMA_VERSION,
@@ -73,9 +73,7 @@ def seed_model_summary(model, data, config: RunConfig, device: str, seed_path) -
         evaluate_task(model, data, config.task.eval_sets, {"dev", "test"}, device)
     )
     if cache is not None:
-        atomic_write(
-            cache, lambda tmp: tmp.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
-        )
+        atomic_write_text(cache, json.dumps(summary, indent=2, sort_keys=True) + "\n")
     return summary
 
 
@@ -139,7 +137,7 @@ def write_record(path: Path, record: ResultRecord) -> None:
     was computed without them)."""
     content = record.model_dump(mode="json", exclude_unset=True)
     text = json.dumps(content, indent=2, sort_keys=True) + "\n"
-    atomic_write(path, lambda tmp: tmp.write_text(text))
+    atomic_write_text(path, text)
 
 
 def compute_info(
