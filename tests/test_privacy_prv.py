@@ -2,6 +2,7 @@
 
 import pytest
 from pydantic import ValidationError
+from test_privacy_accountants import HIGH_POP
 
 from pflbench.errors import UserError
 from pflbench.privacy import prv
@@ -54,15 +55,7 @@ def test_a_numeric_failure_of_the_library_is_a_user_error(monkeypatch):
 
 
 def test_statements_cross_check_with_prv_and_skip_it_where_it_cannot_compute():
-    budget = Budget(
-        name="eps7.2-high-pop",
-        epsilon=7.2,
-        delta=DELTA,
-        population=69_506_000,
-        cohort=204_800,
-        steps=2034,
-    )
-    statement = privacy_statement(3e-6, 0.01, 1024, 34_753, 2006, DELTA, "fixed", budget)
+    statement = privacy_statement(3e-6, 0.01, 1024, 34_753, 2006, DELTA, "fixed", HIGH_POP)
     simulated, extrapolated = statement["simulated"], statement["extrapolated"]
     assert set(simulated["epsilon"]) == set(extrapolated["epsilon"]) == set(ACCOUNTANTS)
     assert simulated["epsilon"]["prv"]["epsilon"] is None  # RDP 1.2e8 at the simulated scale
