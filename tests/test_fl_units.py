@@ -57,7 +57,7 @@ def _one_step(optimizer: str, steps: int = 1, **kw) -> list[float]:
 XI = 1e-6
 _U_ADAM = [1 / (1 + XI), 2 / (2 + XI)]  # step 1 is bias-corrected: m̂ = g, v̂ = g²
 _LAMB_RATIO = 5 / math.hypot(*_U_ADAM)  # ‖θ‖/‖u‖
-_LARS_RATIO = 0.001 * 5 / math.hypot(1, 2)  # η‖θ‖/‖g‖
+_LARS_RATIO = 0.001 * 5 / (math.hypot(1, 2) + XI)  # η‖θ‖/(‖g‖ + ξ)
 FIRST_STEP_BY_HAND = {
     "lamb": [3 - 0.1 * _LAMB_RATIO * _U_ADAM[0], 4 - 0.1 * _LAMB_RATIO * _U_ADAM[1]],
     "adam": [3 - 0.1 * _U_ADAM[0], 4 - 0.1 * _U_ADAM[1]],
@@ -140,11 +140,11 @@ def test_adam_two_steps_with_bias_correction():
 
 
 def test_lars_scales_by_norm_ratio_with_momentum():
-    ratio = 0.001 * 5.0 / math.hypot(1, 2)
+    ratio = _LARS_RATIO
     step1 = [0.1 * ratio * 1, 0.1 * ratio * 2]
     # Second step: θ changed, so the ratio is recomputed; momentum 0.5 carries step 1.
     theta1 = [3 - step1[0], 4 - step1[1]]
-    ratio2 = 0.001 * math.hypot(*theta1) / math.hypot(1, 2)
+    ratio2 = 0.001 * math.hypot(*theta1) / (math.hypot(1, 2) + XI)
     step2 = [0.5 * step1[0] + 0.1 * ratio2 * 1, 0.5 * step1[1] + 0.1 * ratio2 * 2]
     expected = [theta1[0] - step2[0], theta1[1] - step2[1]]
     assert _one_step("lars", steps=2, momentum=0.5) == pytest.approx(expected, rel=1e-6)
@@ -225,13 +225,35 @@ def test_adam_weight_decay_is_added_to_the_direction_not_to_g():
 def test_lars_without_momentum_puts_weight_decay_inside_the_trust_ratio():
     lam = 0.1
     u = [1 + lam * 3, 2 + lam * 4]
-    ratio = 0.001 * 5.0 / math.hypot(*u)
+    ratio = 0.001 * 5.0 / (math.hypot(*u) + XI)
     expected = [3 - 0.1 * ratio * u[0], 4 - 0.1 * ratio * u[1]]
     assert _one_step("lars", weight_decay=lam) == pytest.approx(expected, rel=1e-6)
 
 
+def test_lars_divides_by_the_update_norm_plus_xi():
+    # The paper authors' code adds ξ (1e-6 by default, the recipe's eps) to ‖u‖; optax adds 0.
+    ratio = 0.001 * 5 / (math.hypot(1, 2) + 0.5)
+    expected = [3 - 0.1 * ratio * 1, 4 - 0.1 * ratio * 2]
+    assert _one_step("lars", eps=0.5) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_trust_ratios_match_fp64_at_paper_sizes(dtype):
+    # fp32 norm accumulation is ~4e-5 relative off on a 2.36M-element tensor: the ratios that
+    # LAMB and LARS apply must be within 1e-5 of ratios computed from the same tensors in fp64.
+    generator = torch.Generator().manual_seed(0)
+    shapes = [(3072, 768), (768, 2304), (768,)]
+    params = [(torch.randn(s, generator=generator) * 0.05 + 0.01).to(dtype) for s in shapes]
+    updates = [(torch.randn(s, generator=generator) * 1e-3).to(dtype) for s in shapes]
+    ratios = trust_ratios(params, updates, coefficient=0.001, eps=1e-6).tolist()
+    for param, update, ratio in zip(params, updates, ratios, strict=True):
+        p64, u64 = param.double().numpy().ravel(), update.double().numpy().ravel()
+        exact = 0.001 * math.sqrt(math.fsum(p64 * p64)) / (math.sqrt(math.fsum(u64 * u64)) + 1e-6)
+        assert ratio == pytest.approx(exact, rel=1e-9)
+
+
 def test_trust_ratio_adds_eps_to_the_update_norm():
-    # The seed model's LARS (pflbench.central) divides by ‖u‖ + 1e-9; the server's by ‖u‖.
+    # The seed model's LARS (pflbench.central) divides by ‖u‖ + 1e-9; the server's by ‖u‖ + ξ.
     w, u = torch.tensor([6.0, 0.0, 2.0]), torch.tensor([2.0, 1.0, 0.0])
     assert trust_ratio(w, u, 0.01).tolist() == pytest.approx([0.03, 1.0, 1.0])
     assert trust_ratio(w, u, 0.01, eps=2.0).tolist() == pytest.approx([0.015, 1.0, 1.0])

@@ -89,7 +89,7 @@ def test_a_perlayer_canary_meets_every_layer_bound_exactly(mode):
     # like any user") or exceed the sensitivity the accountant assumes.
     canary = canary_update(3, 0, LIKE, 0.5, perlayer=True, perlayer_mode=mode)
     bounds = layer_bounds([t.numel() for t in LIKE.values()], 0.5, mode)
-    norms = torch.stack([t.norm() for t in canary.values()])
+    norms = torch.stack([t.norm(dtype=torch.float64) for t in canary.values()])
     assert torch.allclose(norms, bounds, rtol=1e-6)
     clipped = clip_update({k: v.clone() for k, v in canary.items()}, "perlayer", 0.5, mode)
     assert all(torch.allclose(clipped.update[k], canary[k], rtol=1e-6) for k in canary)

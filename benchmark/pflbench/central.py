@@ -38,7 +38,7 @@ from pflbench.spec.resolve import canonical_json
 class LARS(torch.optim.Optimizer):
     """LARS (You et al., 2017) with momentum. For parameters in groups with `adapt=True` the step
     is scaled per tensor by the trust ratio η·‖w‖/(‖g + λw‖ + eps) (1 where either norm is 0; the
-    server's LARS computes it with the same `trust_ratio`, eps 0); groups with `adapt=False` (norms
+    server's LARS computes it with the same `trust_ratio`, norms accumulated in fp64); groups with `adapt=False` (norms
     and biases) take plain momentum SGD steps without weight decay or trust ratio. Unlike the
     server's (optax.lars), lr multiplies the momentum buffer, not the step that enters it."""
 
@@ -71,7 +71,10 @@ class LARS(torch.optim.Optimizer):
                 if group["adapt"]:
                     update = update + group["weight_decay"] * p
                     trust = trust_ratio(
-                        p.norm(), update.norm(), group["trust_coefficient"], group["eps"]
+                        p.norm(dtype=torch.float64),
+                        update.norm(dtype=torch.float64),
+                        group["trust_coefficient"],
+                        group["eps"],
                     )
                     update = update * trust
                 state = self.state[p]

@@ -8,8 +8,8 @@ key, except AdaGrad, which follows the paper authors' code unless `adagrad_rule:
 - LAMB (paper App. E.4): Adam moments with bias correction, u = m̂/(√v̂ + ξ) + λθ,
   θ ← θ − lr·(‖θ‖/‖u‖)·u per tensor (trust ratio 1 where either norm is 0).
 - Adam: θ ← θ − lr·(m̂/(√v̂ + ξ) + λθ).
-- LARS: u = g + λθ scaled by 0.001·‖θ‖/‖u‖ (by 1 where either norm is 0), then lr, then
-  momentum (optax.lars).
+- LARS: u = g + λθ scaled by 0.001·‖θ‖/(‖u‖ + ξ) (by 1 where either norm is 0), then lr, then
+  momentum (optax.lars, with the paper authors' ξ = 1e-6 where optax has 0).
 - AdaGrad, reference rule: acc starts at 0, acc ← acc + g², θ ← θ − lr·g·(1/√acc + ξ), with
   1/√acc taken as 0 where acc = 0 (a coordinate whose gradients were all 0 does not move).
 - AdaGrad, optax rule: acc starts at 0.1, acc ← acc + g², θ ← θ − lr·g/√(acc + ξ).
@@ -64,13 +64,15 @@ def trust_ratio(
     return ratio.where(usable, 1.0)
 
 
-def trust_ratios(params: list[Tensor], updates: list[Tensor], coefficient: float = 1.0) -> Tensor:
-    """The trust ratio of every tensor, coefficient·‖θ_h‖/‖u_h‖ (1 where either norm is 0)."""
-    import torch
+def trust_ratios(
+    params: list[Tensor], updates: list[Tensor], coefficient: float = 1.0, eps: float = 0.0
+) -> Tensor:
+    """The trust ratio of every tensor, coefficient·‖θ_h‖/(‖u_h‖ + eps) (1 where either norm is
+    0), fp64. The norms are accumulated in fp64: fp32 accumulation is ~1e-4 relative off for the
+    paper model's large tensors (optax's fp32 norms: ~1e-5)."""
+    from pflbench.privacy.clipping import layer_norms
 
-    param_norms = torch.stack(torch._foreach_norm(params))
-    update_norms = torch.stack(torch._foreach_norm(updates))
-    return trust_ratio(param_norms, update_norms, coefficient)
+    return trust_ratio(layer_norms(params), layer_norms(updates), coefficient, eps)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,7 +128,7 @@ def lars_update(opt: ServerOptimizer, grads: list[Tensor], lr: float) -> list[Te
     import torch
 
     direction = torch._foreach_add(grads, opt.params, alpha=opt.recipe.weight_decay)
-    ratios = trust_ratios(opt.params, direction, LARS_TRUST_COEFFICIENT)
+    ratios = trust_ratios(opt.params, direction, LARS_TRUST_COEFFICIENT, opt.recipe.eps)
     torch._foreach_mul_(direction, (-lr * ratios).tolist())
     if "momentum" not in opt.state:
         return direction

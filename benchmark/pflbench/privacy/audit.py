@@ -88,7 +88,7 @@ def canary_update(
     parts = [torch.randn(t.shape, generator=generator) for t in like.values()]
     norms = torch.stack([p.norm(dtype=torch.float64) for p in parts])
     if perlayer:
-        bounds = layer_bounds([p.numel() for p in parts], clip_bound, perlayer_mode).double()
+        bounds = layer_bounds([p.numel() for p in parts], clip_bound, perlayer_mode)
         scales = bounds / norms
     else:
         scales = torch.full_like(norms, clip_bound / float(norms.norm()))

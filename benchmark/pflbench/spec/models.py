@@ -147,7 +147,12 @@ class ServerRecipe(Strict):
     lr: float = Field(0.002, gt=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
-    eps: float = Field(1e-6, gt=0, description="ξ of LAMB/Adam (paper App. H.3: 1e-6).")
+    eps: float = Field(
+        1e-6,
+        gt=0,
+        description="ξ of LAMB/Adam (paper App. H.3: 1e-6) and of LARS' trust ratio"
+        " ‖θ‖/(‖u‖ + ξ) (the paper authors' code: 1e-6; optax.lars: 0).",
+    )
     weight_decay: float = Field(0.0, ge=0)
     momentum: float = Field(0.0, ge=0, lt=1, description="SGD/LARS momentum.")
     adagrad_rule: Literal["reference", "optax"] = Field(
