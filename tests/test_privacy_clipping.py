@@ -92,7 +92,6 @@ def test_perlayer_clip_bounds_every_layer_and_the_total(update, ratio, mode):
     result = clip_update(update, "perlayer", bound, perlayer_mode=mode, in_place=True)
 
     assert result.update is not update
-    clipped_total = 0.0
     for (name, tensor), layer_bound in zip(result.update.items(), bounds, strict=True):
         assert tensor.data_ptr() == update[name].data_ptr()  # in place
         assert within([tensor], layer_bound)
@@ -310,7 +309,9 @@ def test_clipping_is_exact_at_paper_sizes(dtype, clipping, mode, rule):
         if clipping == "perlayer":
             bounds = layer_bounds([t.numel() for t in update.values()], bound, mode).tolist()
             scaled = result.factors.tolist()
-            for tensor, layer_bound, factor in zip(result.update.values(), bounds, scaled):
+            for tensor, layer_bound, factor in zip(
+                result.update.values(), bounds, scaled, strict=True
+            ):
                 assert within([tensor], layer_bound)
                 # ... and a scaled layer lands at its bound, not far inside it (fp16's values at
                 # C = 0.01 are subnormal, ~4e-6, and rounded toward zero: up to ~1% inside)

@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 from click.testing import Result
+from pydantic import Field
 from typer.testing import CliRunner
 
 from pflbench.cli import app
 from pflbench.errors import UserError
-from pflbench.spec.models import Recipe
+from pflbench.spec.models import ADDED_LATER, PrivacyRecipe, Recipe, Strict
 from pflbench.spec.registry import load_registry
-from pflbench.spec.resolve import config_hash, default_budget, resolve
+from pflbench.spec.resolve import config_hash, default_budget, resolve, spec_config_hashes
 
 FIXTURE_SPECS = Path(__file__).parent / "fixtures" / "specs"
 PAPER_TASKS = {
@@ -117,15 +118,28 @@ def _perturbed(value):
 
 
 def test_builtin_task_configs_keep_their_golden_hashes():
-    """Resolved configs of every built-in task × baseline, hashed before the tasks were rewritten
-    with `include:` templates; a change here changes the hash of every run of that task."""
+    """Resolved configs of every built-in task × baseline against the golden file, which
+    `pflbench specs hashes --write tests/fixtures/task_config_hashes.json` regenerates; a change
+    here changes the identity of every run of that task."""
     golden_file = Path(__file__).parent / "fixtures" / "task_config_hashes.json"
     golden = json.loads(golden_file.read_text())
-    reg = load_registry()
-    assert set(golden) == {f"{t}/{b}" for t in reg.tasks for b in reg.baselines}
-    for key, digest in golden.items():
-        task, baseline = key.split("/")
-        assert config_hash(resolve(reg, task, baseline, "none", 0)) == digest, key
+    hashes = spec_config_hashes(load_registry())
+    assert set(hashes) == set(golden)
+    assert [key for key in golden if hashes[key] != golden[key]] == []
+
+
+def test_a_field_marked_added_later_is_hashed_only_when_set():
+    # The rule, not per-field code: any field marked ADDED_LATER drops out at its default.
+    class Later(Strict):
+        kept: int = 1
+        added: float = Field(0.5, json_schema_extra=ADDED_LATER)
+        nested: PrivacyRecipe = PrivacyRecipe()
+
+    assert Later().model_dump(mode="json").keys() == {"kept", "nested"}
+    assert "audit_canaries" not in Later().model_dump(mode="json")["nested"]
+    assert Later(added=0.7).model_dump(mode="json")["added"] == 0.7
+    audited = Later(nested=PrivacyRecipe(audit_canaries=3)).model_dump(mode="json")
+    assert audited["nested"]["audit_canaries"] == 3
 
 
 def test_task_includes_merge_templates_under_the_file(tmp_path):
@@ -351,3 +365,11 @@ def test_default_budget_is_the_tasks_first_for_clipping_federated_baselines():
     sets = ["privacy.clipping=none"]
     assert default_budget(registry, task, "perlayer-dim", sets) == "none"
     assert default_budget(registry, "cv-en-ls100-seed", "perlayer-dim", []) == "none"
+
+
+def test_specs_hashes_writes_the_golden_file(tmp_path):
+    out = tmp_path / "hashes.json"
+    result = CliRunner().invoke(app, ["specs", "hashes", "--write", str(out)])
+    assert result.exit_code == 0, result.output
+    golden = Path(__file__).parent / "fixtures" / "task_config_hashes.json"
+    assert out.read_text() == golden.read_text()

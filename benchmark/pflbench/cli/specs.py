@@ -89,6 +89,32 @@ def register(app: typer.Typer) -> None:
     app.add_typer(tasks, name="tasks")
     app.add_typer(baselines, name="baselines")
     app.add_typer(budgets, name="budgets")
+    spec_tools = typer.Typer(help="Checks over all specs.", no_args_is_help=True)
+    app.add_typer(spec_tools, name="specs")
+
+    @spec_tools.command("hashes")
+    def specs_hashes(
+        write: Path | None = typer.Option(
+            None,
+            "--write",
+            help="Write the hashes to this JSON file (the golden file the tests compare with:"
+            " tests/fixtures/task_config_hashes.json).",
+        ),
+        specs: list[Path] | None = SpecsOption,
+    ) -> None:
+        """The config hash of every task x baseline (budget none, seed 0). A change that alters
+        one changes the identity of every run of it: regenerate the golden file only when that
+        is intended (a new task or baseline, a recipe change that should re-key runs)."""
+        import json
+
+        from pflbench.spec.resolve import spec_config_hashes
+
+        hashes = spec_config_hashes(_registry(specs))
+        if write is None:
+            print_json(hashes)
+            return
+        write.write_text(json.dumps(hashes, indent=2) + "\n", encoding="utf-8")
+        console.print(f"wrote {len(hashes)} config hashes to {write}")
 
     @tasks.command("list")
     def tasks_list(specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption) -> None:

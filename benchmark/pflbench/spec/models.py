@@ -14,9 +14,24 @@ from pflbench.data.adapters import CORPORA, CorpusName
 from pflbench.fl.server_optimizers import ServerOptimizerName
 from pflbench.privacy.accountants import CalibratingAccountantName
 
+# Marks a field added to a spec model after its first version (`Field(..., json_schema_extra=
+# ADDED_LATER)`): while it holds its default it is left out of dumps, so the config hash of every
+# run from before the field existed stays what it was, and a run that sets it hashes it.
+ADDED_LATER = {"added_later": True}
+
 
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @model_serializer(mode="wrap")
+    def _omit_later_fields_at_their_default(self, handler):
+        data = handler(self)
+        for name, field in type(self).model_fields.items():
+            extra = field.json_schema_extra
+            if isinstance(extra, dict) and extra.get("added_later") and name in data:
+                if getattr(self, name) == field.default:
+                    del data[name]
+        return data
 
 
 # ----------------------------------------------------------------------------------------------
@@ -207,9 +222,12 @@ class PrivacyRecipe(Strict):
         description="Canary users inserted for an empirical privacy audit (privacy/audit.py):"
         " as many more are held out. 0: no audit. An audited model carries canaries, so its"
         " WER is not ranked.",
+        json_schema_extra=ADDED_LATER,
     )
     adaptive_clip: AdaptiveClip | None = Field(
-        None, description="Adapt the (total) bound, from clip_bound, to a quantile of the norms."
+        None,
+        description="Adapt the (total) bound, from clip_bound, to a quantile of the norms.",
+        json_schema_extra=ADDED_LATER,
     )
 
     @model_validator(mode="after")
@@ -219,17 +237,6 @@ class PrivacyRecipe(Strict):
         if self.adaptive_clip is not None and self.noise_placement != "server":
             raise ValueError("adaptive_clip needs noise_placement: server")
         return self
-
-    @model_serializer(mode="wrap")
-    def _omit_unused_options(self, handler):
-        # Without an audit or adaptive clipping those fields are left out of the dump, so every
-        # config hash from before they existed stays what it was; a run using one hashes it.
-        data = handler(self)
-        if data.get("audit_canaries") == 0:
-            del data["audit_canaries"]
-        if data.get("adaptive_clip", 0) is None:
-            del data["adaptive_clip"]
-        return data
 
 
 class Recipe(Strict):

@@ -99,3 +99,13 @@ def config_json_hash(config_json: dict) -> str:
 
 def config_hash(config: RunConfig) -> str:
     return config_json_hash(config.model_dump(mode="json"))
+
+
+def spec_config_hashes(registry: Registry) -> dict[str, str]:
+    """`task/baseline` -> config hash (budget none, seed 0) for every task x baseline: the golden
+    hashes a change to the specs or their models must keep (tests/fixtures)."""
+    return {
+        f"{task}/{baseline}": config_hash(resolve(registry, task, baseline, "none", 0))
+        for task in sorted(registry.tasks)
+        for baseline in sorted(registry.baselines)
+    }
