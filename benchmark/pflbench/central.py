@@ -40,7 +40,8 @@ class LARS(torch.optim.Optimizer):
     is scaled per tensor by the trust ratio η·‖w‖/(‖g + λw‖ + eps) (1 where either norm is 0; the
     server's LARS computes it with the same `trust_ratio`; norms accumulated in fp64); groups with
     `adapt=False` (norms and biases) take plain momentum SGD steps without weight decay or trust
-    ratio. Unlike the server's (optax.lars), lr multiplies the momentum buffer, not the step that enters it."""
+    ratio. Unlike the server's (optax.lars), lr multiplies the momentum buffer, not the step that
+    enters it."""
 
     def __init__(
         self,
