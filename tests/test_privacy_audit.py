@@ -16,7 +16,7 @@ from pflbench.cli import app
 from pflbench.cli.run import run_summary
 from pflbench.errors import UserError
 from pflbench.fl.aggregate import StepAggregator
-from pflbench.fl.sampling import expected_cohort, keyed_generator, sample_cohort
+from pflbench.fl.sampling import expected_cohort, sample_cohort
 from pflbench.privacy.accountants import ACCOUNTANTS, compute_epsilon
 from pflbench.privacy.audit import (
     CanaryAudit,
@@ -37,6 +37,7 @@ from pflbench.results.plots import plot_results
 from pflbench.results.schema import load_record
 from pflbench.results.submit import submit
 from pflbench.runner import RunOptions, run
+from pflbench.seeds import keyed_generator
 from pflbench.spec.models import Recipe, RunConfig
 from pflbench.spec.registry import load_registry
 from pflbench.spec.resolve import config_hash, resolve

@@ -28,6 +28,7 @@ from pflbench.data.store import torch_threads
 from pflbench.fl.server_optimizers import trust_ratio
 from pflbench.model.transformer import CTCTransformer, build_model, ctc_loss
 from pflbench.progress import make_progress
+from pflbench.seeds import keyed_seed
 from pflbench.spec.models import CentralRecipe, Recipe, SpecAugmentRecipe, Task
 from pflbench.spec.resolve import canonical_json
 
@@ -134,12 +135,6 @@ def set_cpu_threads() -> None:
     torch.set_num_threads(threads)
 
 
-def derived_seed(*keys: object) -> int:
-    """A 63-bit seed from keys, e.g. (seed, "step", t): independent streams per key."""
-    digest = hashlib.sha256(repr(keys).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
 def optimizer_tensors(opt: torch.optim.Optimizer) -> dict[str, Tensor]:
     return {
         f"optim.{idx}.{key}": torch.as_tensor(value)
@@ -165,7 +160,7 @@ def epoch_batches(seconds: list[float], recipe: CentralRecipe, seed: int) -> Ite
     """All batches of all epochs, in order; each epoch shuffled from (seed, epoch)."""
     epoch = 0
     while True:
-        gen = torch.Generator().manual_seed(derived_seed(seed, "epoch", epoch))
+        gen = torch.Generator().manual_seed(keyed_seed(seed, "epoch", epoch))
         yield from dynamic_batches(seconds, recipe.batch_seconds, gen)
         epoch += 1
 
@@ -253,11 +248,11 @@ def train_central(
                 break
             if step < start:
                 continue
-            torch.manual_seed(derived_seed(seed, "step", step))  # dropout, CAPE, layer drop
+            torch.manual_seed(keyed_seed(seed, "step", step))  # dropout, CAPE, layer drop
             for group in opt.param_groups:
                 group["lr"] = step_decay_lr(recipe, step)
             batch = collate([utterances[i] for i in idx]).to(device)
-            gen = torch.Generator().manual_seed(derived_seed(seed, "specaug", step))
+            gen = torch.Generator().manual_seed(keyed_seed(seed, "specaug", step))
             losses.append(train_step(model, opt, batch, recipe, spec_augment, gen, grad_sq))
             audio += sum(utterances[i].seconds for i in idx)
             rate = audio / (time.perf_counter() - t0)
@@ -312,7 +307,7 @@ def seed_key(task: Task, recipe: Recipe, seed: int, vocab: list[str], digest: st
 
 
 def fresh_model(recipe: Recipe, vocab_size: int, seed: int) -> CTCTransformer:
-    torch.manual_seed(derived_seed(seed, "init"))
+    torch.manual_seed(keyed_seed(seed, "init"))
     m = recipe.model
     return build_model(m.preset, vocab_size, dropout=m.dropout, layer_drop=m.layer_drop)
 

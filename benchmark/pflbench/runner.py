@@ -26,7 +26,6 @@ from pflbench.errors import UserError
 from pflbench.evaluate import evaluate_task
 from pflbench.fl.distributed import DistContext, barrier, init_from_env, shutdown
 from pflbench.fl.freeze import trained_tensors
-from pflbench.fl.sampling import keyed_seed
 from pflbench.fl.simulator import Simulator
 from pflbench.metrics_log import MetricsLog
 from pflbench.privacy.run import check_run_privacy, epsilon_so_far, privacy_claim, run_sigma_dp
@@ -47,6 +46,7 @@ from pflbench.rundir import (
     prune_checkpoints,
     write_utterance_errors,
 )
+from pflbench.seeds import keyed_seed
 from pflbench.spec.models import RunConfig
 from pflbench.spec.resolve import config_hash
 

@@ -22,8 +22,8 @@ from pflbench.data.batching import Batch, collate, dynamic_batches
 from pflbench.data.features import spec_augment
 from pflbench.data.store import Utterance
 from pflbench.fl.local_update import LocalUpdate
-from pflbench.fl.sampling import keyed_generator, keyed_seed
 from pflbench.model.transformer import ctc_loss
+from pflbench.seeds import keyed_generator, keyed_seed
 from pflbench.spec.models import ClientRecipe, SpecAugmentRecipe
 
 

@@ -1,27 +1,13 @@
-"""Cohort sampling and the keyed random streams every random choice of a run draws from.
-
-Each stream is keyed by (seed, step, user, purpose), so a choice never depends on how many
-processes run, in which order clients train, or whether the run was resumed.
-"""
+"""Cohort sampling, from the step's keyed stream (pflbench.seeds), so that a cohort never depends
+on how many processes run or whether the run was resumed."""
 
 from __future__ import annotations
 
-import hashlib
 from typing import Literal
 
 import torch
 
-
-def keyed_seed(*key: object) -> int:
-    """A 63-bit seed derived from a key tuple (stable across runs, machines and Python versions)."""
-    digest = hashlib.sha256(repr(tuple(key)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
-def keyed_generator(*key: object, device: str | torch.device = "cpu") -> torch.Generator:
-    generator = torch.Generator(device=device)
-    generator.manual_seed(keyed_seed(*key))
-    return generator
+from pflbench.seeds import keyed_generator
 
 
 def sampling_rate(population: int, cohort_size: int) -> float:

@@ -30,8 +30,9 @@ from scipy import optimize, special, stats
 from torch import Tensor
 
 from pflbench.errors import UserError
-from pflbench.fl.sampling import keyed_generator, sample_cohort
+from pflbench.fl.sampling import sample_cohort
 from pflbench.privacy.clipping import layer_bounds
+from pflbench.seeds import keyed_generator
 from pflbench.spec.models import Recipe
 
 CANARY_PREFIX = "audit-canary-"

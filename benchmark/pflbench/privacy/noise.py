@@ -18,27 +18,21 @@ sampler; pflbench simulates, it does not deploy.
 
 from __future__ import annotations
 
-import hashlib
 import math
 
 import torch
 from torch import Tensor
 
-
-def stream_seed(seed: int, step: int, user: int | str | None = None) -> int:
-    """64-bit seed of the stream for one central step (server) or one user at one step (client)."""
-    domain = "server" if user is None else f"user/{user}"
-    key = f"pflbench/noise/{domain}/seed={seed}/step={step}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+from pflbench.seeds import keyed_generator
 
 
 def noise_generator(
     seed: int, step: int, user: int | str | None = None, device: str | torch.device = "cpu"
 ) -> torch.Generator:
-    """A fresh generator for the keyed stream. CPU and CUDA generators give different streams."""
-    generator = torch.Generator(device=device)
-    generator.manual_seed(stream_seed(seed, step, user))
-    return generator
+    """A fresh generator for the noise of one central step (server) or of one user at one step
+    (client). CPU and CUDA generators give different streams."""
+    who = ("server",) if user is None else ("user", user)
+    return keyed_generator(seed, step, "noise", *who, device=device)
 
 
 def add_gaussian_noise(update: dict[str, Tensor], std: float, generator: torch.Generator) -> None:
