@@ -14,6 +14,7 @@ from pflbench.data.corpora import (
     librispeech_manifest,
     speaker_groups,
 )
+from pflbench.data.prepare import split_notes
 from pflbench.evaluate import group_counts
 from pflbench.results.groups import MIN_SPEAKERS, render_groups, row_group_wers, worst_group
 from pflbench.results.leaderboard import Row, cell, load_results, render_leaderboard
@@ -67,6 +68,21 @@ def test_an_attribute_with_one_group_is_left_out(tmp_path):
     assert set(speaker_groups(commonvoice_manifest(tsv, "dev", "en", Skips()).entries)) == {
         "gender"
     }
+
+
+def test_the_data_report_says_why_speakers_form_no_groups(tmp_path):
+    tsv = _cv_release(tmp_path, [("a", "teens", "male", "en"), ("b", "teens", "male", "en")])
+    manifest = commonvoice_manifest(tsv, "dev", "en", Skips())
+    notes = split_notes({"dev": manifest}, manifest.entries)
+    assert notes["speaker_groups"] == {}
+    assert notes["speaker_groups_unavailable"] == (
+        "all speakers are in one group of each of accent, age, gender"
+    )
+    tsv.write_text("\n".join(line.rsplit("\t", 3)[0] for line in tsv.read_text().splitlines()))
+    manifest = commonvoice_manifest(tsv, "dev", "en", Skips())  # no age, gender, accents columns
+    assert split_notes({"dev": manifest}, manifest.entries)["speaker_groups_unavailable"] == (
+        "dev.tsv has none of the columns age, gender, accents"
+    )
 
 
 def test_librispeech_gender_comes_from_speakers_txt(tiny_corpus_root: Path):

@@ -117,9 +117,9 @@ def split_notes(manifests: dict[str, Manifest], entries: list[Entry]) -> dict:
     if not groups:
         why = [m.no_attributes for m in manifests.values() if m.no_attributes]
         attributes = sorted({name for e in entries for name, _ in e.attributes})
-        notes["speaker_groups_unavailable"] = "; ".join(dict.fromkeys(why)) or (
-            f"every speaker is in the same group of {', '.join(attributes)}"
-        )
+        if attributes:
+            why.append(f"all speakers are in one group of each of {', '.join(attributes)}")
+        notes["speaker_groups_unavailable"] = "; ".join(dict.fromkeys(why))
     return notes
 
 
