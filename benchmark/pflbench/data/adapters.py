@@ -79,11 +79,11 @@ class CorpusAdapter(ABC):
     @abstractmethod
     def read_hf(self, found: HfSplit, subset: str, language: str, skips: Skips) -> Manifest: ...
 
-    # Neither
+    # Near misses, in both forms
 
     @abstractmethod
     def found_instead(self, root: Path, subset: str, locale: str) -> list[str]:
-        """Near misses in both forms: what lies where the subset was looked for."""
+        """What lies where the subset was looked for, as the not-found error lists it."""
 
 
 class LibriSpeech(CorpusAdapter):
