@@ -140,7 +140,9 @@ def test_prepare_reuses_the_store(
 
 
 def test_user_split_is_complementary_and_order_independent(tiny_corpus_root: Path) -> None:
-    entries = commonvoice_manifest(tiny_corpus_root / CV / "train.tsv", "train", "en", Skips())
+    entries = commonvoice_manifest(
+        tiny_corpus_root / CV / "train.tsv", "train", "en", Skips()
+    ).entries
     part_in = apply_user_split(entries, 10, "in", seed=0)
     part_out = apply_user_split(entries, 10, "out", seed=0)
     users_in, users_out = {e.user_id for e in part_in}, {e.user_id for e in part_out}
@@ -160,7 +162,7 @@ def test_store_resumes_after_an_interrupted_build(
     tiny_corpus_root: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(store_module, "SHARD_UTTERANCES", 10)
-    entries = commonvoice_manifest(tiny_corpus_root / CV / "dev.tsv", "dev", "en", Skips())
+    entries = commonvoice_manifest(tiny_corpus_root / CV / "dev.tsv", "dev", "en", Skips()).entries
     folder = tmp_path / "store"
     full = build_store(folder, entries, "en", "d1", {}, workers=1)
     shards = sorted(folder.glob("shard-*.arrow"))
@@ -183,7 +185,7 @@ def test_building_a_store_in_process_keeps_the_callers_thread_count(
 ) -> None:
     # One shard left to build runs in this process: seed training after a fresh prepare used to
     # run on the one thread the shard builder set.
-    entries = commonvoice_manifest(tiny_corpus_root / CV / "dev.tsv", "dev", "en", Skips())
+    entries = commonvoice_manifest(tiny_corpus_root / CV / "dev.tsv", "dev", "en", Skips()).entries
     before = torch.get_num_threads()
     torch.set_num_threads(before + 1)
     try:
@@ -265,6 +267,16 @@ def test_bad_input_is_skipped_counted_and_reported(faulty_root: Path, tmp_path: 
     assert "he said hello there" in {u.text for u in fed}
     n_rows = len(read_tsv(faulty_root / "cv-corpus-99.0" / "en" / "dev.tsv"))
     assert len(fed) == n_rows - 3  # missing clip, empty sentence, short row
+    # Where each split was read, and why LibriSpeech's speakers have no groups here.
+    assert data.report["federated"]["read_from"] == {"dev": "cv-corpus-99.0/en/dev.tsv"}
+    assert data.report["eval:ls-dev"]["read_from"] == {"dev-clean": "LibriSpeech/dev-clean"}
+    assert data.report["eval:ls-dev"]["speaker_groups"] == {}
+    assert data.report["eval:ls-dev"]["speaker_groups_unavailable"] == (
+        "no speaker genders: LibriSpeech/SPEAKERS.TXT is missing or lists none"
+    )
+    assert set(data.report["federated"]["speaker_groups"]) == set(data.eval_groups["ls-dev"]) | {
+        "accent", "age", "gender"
+    }  # fmt: skip
 
 
 def test_data_stats_cli_reports_skips(faulty_root: Path, tmp_path: Path, monkeypatch) -> None:
@@ -293,8 +305,12 @@ def test_missing_data_errors_name_what_was_expected(
             "eval_sets": [EvalSet(name="x", corpus="librispeech", subset="test-other", role="dev")]
         }
     )
-    with pytest.raises(UserError, match="LibriSpeech/test-other"):
+    with pytest.raises(UserError, match="LibriSpeech/test-other") as raised:
         prepare_task(task, data_root=faulty_root, cache_dir=tmp_path, progress=False)
+    assert str(raised.value).endswith(f"found instead: {faulty_root}/LibriSpeech holds dev-clean")
+    with pytest.raises(UserError) as raised:
+        subset_manifest(faulty_root, "commonvoice", "dev", "fr", "fr", Skips())
+    assert str(raised.value).endswith(f"found instead: {faulty_root}/cv-corpus-99.0 holds en")
     shutil.copytree(faulty_root / "cv-corpus-99.0", faulty_root / "cv-corpus-98.0")
     try:
         with pytest.raises(UserError, match="several Common Voice releases"):
@@ -319,9 +335,11 @@ ADAPTER_CASES = {
         "en",
         "LibriSpeech/dev-clean",
         "LibriSpeech subset 'dev-clean' not found; looked for {root}/LibriSpeech/dev-clean;"
-        " {root}/dev-clean; {root}[/*librispeech*]/clean/validation/ (save_to_disk) or"
-        " clean/validation-*.parquet; {root}[/*librispeech*]/all/validation.clean/ (save_to_disk)"
-        " or all/validation.clean-*.parquet",
+        " {root}/dev-clean; {root}[/*librispeech*]/all/validation.clean/ (save_to_disk or"
+        " *.parquet) or all/validation.clean-*.parquet or validation.clean/ (save_to_disk or"
+        " *.parquet) or validation.clean-*.parquet; {root}[/*librispeech*]/clean/validation/"
+        " (save_to_disk or *.parquet) or clean/validation-*.parquet or validation/ (save_to_disk"
+        " of config clean)",
     ),
     "commonvoice": (
         "dev",
@@ -329,7 +347,7 @@ ADAPTER_CASES = {
         f"{CV_RELEASE}/en/dev.tsv",
         "Common Voice en split 'dev' not found; looked for {root}/cv-corpus-*/en/dev.tsv;"
         " {root}/en/dev.tsv; {root}[/*common_voice*]/en/validation/ (save_to_disk or *.parquet)"
-        " or en/validation-*.parquet",
+        " or en/validation-*.parquet or validation/ (save_to_disk of config en or of none)",
     ),
 }
 
@@ -342,7 +360,7 @@ def test_each_corpus_adapter_finds_and_reads_its_subsets(
     subset, locale, where, _ = ADAPTER_CASES[corpus]
     found = adapter.find(tiny_corpus_root, subset, locale)
     assert found == tiny_corpus_root / where
-    entries = adapter.read(found, subset, "en", Skips())
+    entries = adapter.read(found, subset, "en", Skips()).entries
     assert entries and {(e.corpus, e.split) for e in entries} == {(corpus, subset)}
     assert len({e.user_id for e in entries}) > 1
     assert adapter.find(tiny_corpus_root, "no-such-subset", locale) is None

@@ -14,6 +14,7 @@ from pflbench.data.corpora import (
     librispeech_manifest,
     speaker_groups,
 )
+from pflbench.data.prepare import split_notes
 from pflbench.evaluate import group_counts
 from pflbench.results.groups import MIN_SPEAKERS, render_groups, row_group_wers, worst_group
 from pflbench.results.leaderboard import Row, cell, load_results, render_leaderboard
@@ -53,7 +54,7 @@ def test_common_voice_attributes_become_speaker_groups(tmp_path):
             ("c", "fifties", "male", "en-gb"),
         ],
     )
-    entries = commonvoice_manifest(tsv, "dev", "en", Skips())
+    entries = commonvoice_manifest(tsv, "dev", "en", Skips()).entries
     groups = speaker_groups(entries)
     assert groups == {
         "accent": {"a": "en-us", "b": "en-gb", "c": "en-gb"},
@@ -64,12 +65,29 @@ def test_common_voice_attributes_become_speaker_groups(tmp_path):
 
 def test_an_attribute_with_one_group_is_left_out(tmp_path):
     tsv = _cv_release(tmp_path, [("a", "teens", "male", "en"), ("b", "teens", "female", "en")])
-    assert set(speaker_groups(commonvoice_manifest(tsv, "dev", "en", Skips()))) == {"gender"}
+    assert set(speaker_groups(commonvoice_manifest(tsv, "dev", "en", Skips()).entries)) == {
+        "gender"
+    }
+
+
+def test_the_data_report_says_why_speakers_form_no_groups(tmp_path):
+    tsv = _cv_release(tmp_path, [("a", "teens", "male", "en"), ("b", "teens", "male", "en")])
+    manifest = commonvoice_manifest(tsv, "dev", "en", Skips())
+    notes = split_notes({"dev": manifest}, manifest.entries)
+    assert notes["speaker_groups"] == {}
+    assert notes["speaker_groups_unavailable"] == (
+        "all speakers are in one group of each of accent, age, gender"
+    )
+    tsv.write_text("\n".join(line.rsplit("\t", 3)[0] for line in tsv.read_text().splitlines()))
+    manifest = commonvoice_manifest(tsv, "dev", "en", Skips())  # no age, gender, accents columns
+    assert split_notes({"dev": manifest}, manifest.entries)["speaker_groups_unavailable"] == (
+        "dev.tsv has none of the columns age, gender, accents"
+    )
 
 
 def test_librispeech_gender_comes_from_speakers_txt(tiny_corpus_root: Path):
     subset = tiny_corpus_root / "LibriSpeech" / "dev-clean"
-    entries = librispeech_manifest(subset, "dev-clean", "en", Skips())
+    entries = librispeech_manifest(subset, "dev-clean", "en", Skips()).entries
     sexes = {}
     for line in (tiny_corpus_root / "LibriSpeech" / "SPEAKERS.TXT").read_text().splitlines():
         if not line.startswith(";"):

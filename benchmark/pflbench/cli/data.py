@@ -94,6 +94,14 @@ def print_stats_table(report: dict) -> None:
         for reason, n in s["skipped"].get("counts", {}).items():
             examples = ", ".join(s["skipped"]["examples"].get(reason, []))
             console.print(f"  {name}: skipped {n} × {reason} (e.g. {examples})", highlight=False)
+    for name, s in report.items():
+        for subset, where in s.get("read_from", {}).items():
+            console.print(f"  {name}: {subset} read from {where}", highlight=False)
+        groups = [f"{attribute} (" + ", ".join(f"{g} {n}" for g, n in counts.items()) + ")"
+                  for attribute, counts in s.get("speaker_groups", {}).items()]  # fmt: skip
+        why = s.get("speaker_groups_unavailable", "")
+        line = "speakers per group: " + "; ".join(groups) if groups else f"no speaker groups: {why}"
+        console.print(f"  {name}: {line}", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -17,18 +17,23 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from pflbench.data.corpora import (
-    Entry,
+    Manifest,
     Skips,
+    commonvoice_found_instead,
     commonvoice_looked_for,
     commonvoice_manifest,
     commonvoice_tsv,
+    librispeech_found_instead,
     librispeech_looked_for,
     librispeech_manifest,
     librispeech_subset_dir,
 )
+
+if TYPE_CHECKING:
+    from pflbench.data.hf import HfSplit
 
 
 class CorpusAdapter(ABC):
@@ -37,7 +42,8 @@ class CorpusAdapter(ABC):
     `subset` is what a task names (a LibriSpeech subset, a Common Voice split); `locale` is the
     source's locale or else the task's language (a corpus with one language ignores it). Each
     `find*` returns what the matching `read*` takes, or None where the data root does not hold it,
-    and raises UserError where it holds it more than once."""
+    and raises UserError where it holds it more than once. Not found, the error lists `looked_for`
+    and `looked_for_hf` and, where there are near misses, what `found_instead` lists."""
 
     name: ClassVar[str]  # the value of `corpus` in task specs
     # Whether a training source (DataSource) must name its locale.
@@ -60,24 +66,29 @@ class CorpusAdapter(ABC):
     def looked_for(self, root: Path, subset: str, locale: str) -> list[str]: ...
 
     @abstractmethod
-    def read(self, found: Any, subset: str, language: str, skips: Skips) -> list[Entry]: ...
+    def read(self, found: Any, subset: str, language: str, skips: Skips) -> Manifest: ...
 
     # Its Hugging Face counterpart
 
     @abstractmethod
-    def find_hf(self, root: Path, subset: str, locale: str) -> list[Path] | None: ...
+    def find_hf(self, root: Path, subset: str, locale: str) -> HfSplit | None: ...
 
     @abstractmethod
     def looked_for_hf(self, root: Path, subset: str, locale: str) -> list[str]: ...
 
     @abstractmethod
-    def read_hf(
-        self, parts: list[Path], subset: str, language: str, skips: Skips
-    ) -> list[Entry]: ...
+    def read_hf(self, found: HfSplit, subset: str, language: str, skips: Skips) -> Manifest: ...
+
+    # Near misses, in both forms
+
+    @abstractmethod
+    def found_instead(self, root: Path, subset: str, locale: str) -> list[str]:
+        """What lies where the subset was looked for, as the not-found error lists it."""
 
 
 class LibriSpeech(CorpusAdapter):
-    """User = speaker id; gender from SPEAKERS.TXT."""
+    """User = speaker id; gender from SPEAKERS.TXT (beside the subset folders, or in the Hugging
+    Face dataset's folder)."""
 
     name = "librispeech"
     PAPER_NAMES: ClassVar[dict[tuple[str, ...], str]] = {
@@ -98,10 +109,10 @@ class LibriSpeech(CorpusAdapter):
     def looked_for(self, root: Path, subset: str, locale: str) -> list[str]:
         return librispeech_looked_for(root, subset)
 
-    def read(self, found: Path, subset: str, language: str, skips: Skips) -> list[Entry]:
+    def read(self, found: Path, subset: str, language: str, skips: Skips) -> Manifest:
         return librispeech_manifest(found, subset, language, skips)
 
-    def find_hf(self, root: Path, subset: str, locale: str) -> list[Path] | None:
+    def find_hf(self, root: Path, subset: str, locale: str) -> HfSplit | None:
         from pflbench.data.hf import librispeech_hf_parts
 
         return librispeech_hf_parts(root, subset)
@@ -111,10 +122,15 @@ class LibriSpeech(CorpusAdapter):
 
         return librispeech_hf_looked_for(root, subset)
 
-    def read_hf(self, parts: list[Path], subset: str, language: str, skips: Skips) -> list[Entry]:
+    def read_hf(self, found: HfSplit, subset: str, language: str, skips: Skips) -> Manifest:
         from pflbench.data.hf import librispeech_hf_manifest
 
-        return librispeech_hf_manifest(parts, subset, language, skips)
+        return librispeech_hf_manifest(found, subset, language, skips)
+
+    def found_instead(self, root: Path, subset: str, locale: str) -> list[str]:
+        from pflbench.data.hf import librispeech_hf_found_instead
+
+        return librispeech_found_instead(root, subset) + librispeech_hf_found_instead(root, subset)
 
 
 class CommonVoice(CorpusAdapter):
@@ -135,10 +151,10 @@ class CommonVoice(CorpusAdapter):
     def looked_for(self, root: Path, subset: str, locale: str) -> list[str]:
         return commonvoice_looked_for(root, locale, subset)
 
-    def read(self, found: Path, subset: str, language: str, skips: Skips) -> list[Entry]:
+    def read(self, found: Path, subset: str, language: str, skips: Skips) -> Manifest:
         return commonvoice_manifest(found, subset, language, skips)
 
-    def find_hf(self, root: Path, subset: str, locale: str) -> list[Path] | None:
+    def find_hf(self, root: Path, subset: str, locale: str) -> HfSplit | None:
         from pflbench.data.hf import commonvoice_hf_parts
 
         return commonvoice_hf_parts(root, locale, subset)
@@ -148,10 +164,17 @@ class CommonVoice(CorpusAdapter):
 
         return commonvoice_hf_looked_for(root, locale, subset)
 
-    def read_hf(self, parts: list[Path], subset: str, language: str, skips: Skips) -> list[Entry]:
+    def read_hf(self, found: HfSplit, subset: str, language: str, skips: Skips) -> Manifest:
         from pflbench.data.hf import commonvoice_hf_manifest
 
-        return commonvoice_hf_manifest(parts, subset, language, skips)
+        return commonvoice_hf_manifest(found, subset, language, skips)
+
+    def found_instead(self, root: Path, subset: str, locale: str) -> list[str]:
+        from pflbench.data.hf import commonvoice_hf_found_instead
+
+        return commonvoice_found_instead(root, locale, subset) + commonvoice_hf_found_instead(
+            root, locale, subset
+        )
 
 
 # The registry (its order is the order of the schema's enum).

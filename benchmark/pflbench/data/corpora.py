@@ -11,7 +11,9 @@ A data root may hold (exactly as downloaded, nothing renamed):
 Text problems (empty or untokenizable transcripts, malformed rows) and missing audio files are
 skipped here and counted by reason; audio that cannot be decoded is counted when features are made.
 Speaker attributes for per-group WER come from Common Voice's age/gender/accents columns and
-LibriSpeech's SPEAKERS.TXT (gender); an attribute a speaker did not report is "unreported".
+LibriSpeech's SPEAKERS.TXT (gender); an attribute a speaker did not report is "unreported". A
+reader that has no attributes to give says why (Manifest.no_attributes): the data report and the
+record carry it, so per-group WER never disappears unexplained.
 """
 
 from __future__ import annotations
@@ -44,6 +46,17 @@ class Entry:
     text: str  # normalized
     corpus: str
     attributes: tuple[tuple[str, str], ...] = ()  # (name, value) of the speaker: age, gender, ...
+
+
+@dataclass
+class Manifest:
+    """One subset as a reader found it: its entries, where they were read (relative to the data
+    root's corpus folder; a Hugging Face dataset's config included) and, when the entries carry no
+    speaker attributes, why."""
+
+    entries: list[Entry]
+    source: str
+    no_attributes: str | None = None
 
 
 @dataclass
@@ -128,13 +141,28 @@ def librispeech_looked_for(root: Path, subset: str) -> list[str]:
     return [str(root / "LibriSpeech" / subset), str(root / subset)]
 
 
+_LS_SUBSET = re.compile(r"^(train|dev|test)-(clean|other)(-\d+)?$")
+
+
+def librispeech_found_instead(root: Path, subset: str) -> list[str]:
+    """The LibriSpeech subset folders that are where `subset` was looked for."""
+    found = []
+    for folder in (root / "LibriSpeech", root):
+        names = sorted(p.name for p in folder.glob("*") if p.is_dir() and _LS_SUBSET.match(p.name))
+        if names:
+            found.append(f"{folder} holds {', '.join(names)}")
+        elif folder != root and folder.is_dir():
+            found.append(f"{folder} holds no subset folder")
+    return found
+
+
 _LS_LINE = re.compile(r"^(\d+-\d+-\d+)(?:\s+(.*))?$")
 
 
-def librispeech_manifest(subset_dir: Path, subset: str, language: str, skips: Skips) -> list[Entry]:
+def librispeech_manifest(subset_dir: Path, subset: str, language: str, skips: Skips) -> Manifest:
     """User = speaker id (not speaker-chapter)."""
     entries, described = [], set()
-    genders = librispeech_genders(subset_dir)
+    genders = librispeech_genders(subset_dir.parent)
     for trans in sorted(subset_dir.glob("*/*/*.trans.txt")):
         for n, line in enumerate(trans.read_text(encoding="utf-8").splitlines(), 1):
             if not line.strip():
@@ -158,7 +186,8 @@ def librispeech_manifest(subset_dir: Path, subset: str, language: str, skips: Sk
     for flac in sorted(subset_dir.glob("*/*/*.flac")):
         if flac.name not in described:
             skips.add("audio_without_transcript", flac.stem)
-    return entries
+    where = f"{subset_dir.parent.name}/{subset_dir.name}"
+    return Manifest(entries, where, None if genders else no_genders(subset_dir.parent))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,10 +223,23 @@ def commonvoice_looked_for(root: Path, locale: str, split: str) -> list[str]:
     ]
 
 
-def librispeech_genders(subset_dir: Path) -> dict[str, str]:
-    """Speaker id -> female/male from SPEAKERS.TXT beside the subset folder ({} without one);
-    a line that is not `ID | SEX | ...` is ignored (the file is documentation, not data)."""
-    path = subset_dir.parent / "SPEAKERS.TXT"
+def commonvoice_found_instead(root: Path, locale: str, split: str) -> list[str]:
+    """The splits of the locale's folders, or the locales of the releases, that are there."""
+    dirs = commonvoice_locale_dirs(root, locale)
+    if dirs:
+        return [f"{d} holds {', '.join(sorted(p.name for p in d.glob('*.tsv'))) or 'no *.tsv'}"
+                for d in dirs]  # fmt: skip
+    return [
+        f"{release} holds {', '.join(sorted(p.name for p in release.iterdir() if p.is_dir()))}"
+        for release in sorted(root.glob("cv-corpus-*"))
+        if release.is_dir()
+    ]
+
+
+def librispeech_genders(folder: Path) -> dict[str, str]:
+    """Speaker id -> female/male from folder/SPEAKERS.TXT ({} without one); a line that is not
+    `ID | SEX | ...` is ignored (the file is documentation, not data)."""
+    path = folder / "SPEAKERS.TXT"
     if not path.is_file():
         return {}
     genders = {}
@@ -209,7 +251,11 @@ def librispeech_genders(subset_dir: Path) -> dict[str, str]:
     return genders
 
 
-def commonvoice_manifest(tsv: Path, split: str, language: str, skips: Skips) -> list[Entry]:
+def no_genders(folder: Path) -> str:
+    return f"no speaker genders: {folder.name}/SPEAKERS.TXT is missing or lists none"
+
+
+def commonvoice_manifest(tsv: Path, split: str, language: str, skips: Skips) -> Manifest:
     """User = client_id. Columns by header name; quoting off (real CV has unbalanced quotes)."""
     clips = tsv.parent / "clips"
     with tsv.open(encoding="utf-8", newline="") as f:
@@ -240,4 +286,6 @@ def commonvoice_manifest(tsv: Path, split: str, language: str, skips: Skips) -> 
                                attributes)  # fmt: skip
             if entry:
                 entries.append(entry)
-    return entries
+    where = "/".join(tsv.parts[-3:])  # release/locale/split.tsv
+    no_columns = f"{tsv.name} has none of the columns {', '.join(CV_ATTRIBUTE_COLUMNS.values())}"
+    return Manifest(entries, where, None if attribute_col else no_columns)

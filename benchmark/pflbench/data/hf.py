@@ -3,25 +3,34 @@
 Two on-disk forms are read (no network, no `datasets` cache):
   save_to_disk folders: `load_dataset(name, config).save_to_disk(DIR)` writes DIR/<split>/ holding
       dataset_info.json, state.json and data-*.arrow (one split saved alone is such a folder too);
-  Parquet files in the Hub layout: <config>/<split>-00000-of-00014.parquet
-      (e.g. clean/train.100-00000-of-00014.parquet) or <config>/<split>/*.parquet.
+  Parquet files in the Hub layouts: <config>/<split>/0000.parquet (the Hub's own files, e.g.
+      openslr/librispeech_asr's clean/train.100/0000.parquet) or
+      <config>/<split>-00000-of-00014.parquet (`push_to_hub`'s).
 
 Where: a dataset folder D is the data root itself or a folder directly in it whose name contains
 "librispeech" (LibriSpeech) or "common_voice"/"commonvoice" (Common Voice), e.g.
 <root>/librispeech_asr, <root>/common_voice_13_0. In D:
-  LibriSpeech subset -> (config, split) of openslr/librispeech_asr, e.g. dev-clean -> (clean,
-      validation) or (all, validation.clean):  D/<config>/<split>/ (save_to_disk),
-      D/<config>/<split>-*.parquet, D/<config>/<split>/*.parquet; and D/<split>/ or
-      D/<split>-*.parquet when the split name alone says the subset (train.100, test.other, ...),
-      or a D/<split>/ save_to_disk folder whose dataset_info.json has that config_name
-      (`load_dataset("openslr/librispeech_asr", "clean").save_to_disk(D)`).
+  LibriSpeech subset -> (config, split) of openslr/librispeech_asr, e.g. dev-clean -> (all,
+      validation.clean) or (clean, validation): D/<config>/<split>/ (save_to_disk or *.parquet),
+      D/<config>/<split>-*.parquet; and D/<split>/ or D/<split>-*.parquet when the split name alone
+      says the subset (train.100, test.other, ...), or a D/<split>/ save_to_disk folder of that
+      config (`load_dataset("openslr/librispeech_asr", "clean").save_to_disk(D)`): its
+      dataset_info.json's config_name, or else the split names saved beside it (train.100 is
+      only in "clean", train.500 only in "other").
+      The Hub repository holds every split twice, under "all" and under "clean"/"other": one
+      corpus, so "all" is read (the first of LS_SPLITS) once the other holds as many rows; the data
+      report and the record say which was read.
+      openslr/librispeech_asr has no speaker attributes: LibriSpeech's SPEAKERS.TXT in D gives
+      the speakers' genders (as beside a native LibriSpeech tree).
   Common Voice split for locale L (train, dev, test, ...; dev is HF's "validation"):
-      D/L/<split>/ (save_to_disk), D/L/<split>-*.parquet, D/L/<split>/*.parquet; and a D/<split>/
+      D/L/<split>/ (save_to_disk or *.parquet), D/L/<split>-*.parquet; and a D/<split>/
       save_to_disk folder whose config_name is L or unset.
-Found in more than one place -> UserError listing them. Fields: librispeech_asr `id, speaker_id,
-text, audio` (file, chapter_id unused); Common Voice `client_id, path, sentence, audio`. `audio` is
-{bytes, path} (an encoded file, decoded with soundfile) or {array, sampling_rate}. User ids and
-skips are those of the native readers (corpora.py).
+A split in more than one dataset folder -> UserError listing them. Not found -> the error lists
+every layout tried and what the dataset folders hold instead. Fields: librispeech_asr `id,
+speaker_id, text, audio` (file, chapter_id unused); Common Voice `client_id, path, sentence, audio`
+and the speaker attributes `age, gender, accent`. `audio` is {bytes, path} (an encoded file,
+decoded with soundfile) or {array, sampling_rate}. User ids and skips are those of the native
+readers (corpora.py).
 """
 
 from __future__ import annotations
@@ -29,6 +38,8 @@ from __future__ import annotations
 import bisect
 import glob
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
 
@@ -37,22 +48,57 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from pflbench.data.audio import AudioError, decode_audio_bytes, read_audio_file
-from pflbench.data.corpora import Entry, Skips, make_entry
+from pflbench.data.corpora import (
+    UNREPORTED,
+    Entry,
+    Manifest,
+    Skips,
+    librispeech_genders,
+    make_entry,
+    no_genders,
+)
 from pflbench.errors import UserError
 
-LS_SPLITS = {  # task subset -> (config, split) in openslr/librispeech_asr
-    "train-clean-100": [("clean", "train.100"), ("all", "train.clean.100")],
-    "train-clean-360": [("clean", "train.360"), ("all", "train.clean.360")],
-    "train-other-500": [("other", "train.500"), ("all", "train.other.500")],
-    "dev-clean": [("clean", "validation"), ("all", "validation.clean")],
-    "dev-other": [("other", "validation"), ("all", "validation.other")],
-    "test-clean": [("clean", "test"), ("all", "test.clean")],
-    "test-other": [("other", "test"), ("all", "test.other")],
+LS_SPLITS = {  # task subset -> (config, split) in openslr/librispeech_asr, the preferred first
+    "train-clean-100": [("all", "train.clean.100"), ("clean", "train.100")],
+    "train-clean-360": [("all", "train.clean.360"), ("clean", "train.360")],
+    "train-other-500": [("all", "train.other.500"), ("other", "train.500")],
+    "dev-clean": [("all", "validation.clean"), ("clean", "validation")],
+    "dev-other": [("all", "validation.other"), ("other", "validation")],
+    "test-clean": [("all", "test.clean"), ("clean", "test")],
+    "test-other": [("all", "test.other"), ("other", "test")],
+}
+LS_CONFIG_SPLITS = {  # the splits of the configs whose split names are not unique
+    "clean": {"train.100", "train.360", "validation", "test"},
+    "other": {"train.500", "validation", "test"},
 }
 AMBIGUOUS_LS_SPLITS = {"validation", "test"}  # clean or other: only the config tells
 CV_SPLITS = {"dev": "validation"}  # task split -> HF split; the others keep their name
 LS_FIELDS = ("id", "speaker_id", "text")  # utterance id, user, transcript
 CV_FIELDS = ("path", "client_id", "sentence")
+CV_ATTRIBUTE_COLUMNS = {"age": ("age",), "gender": ("gender",), "accent": ("accent", "accents")}
+LS_WORDS, CV_WORDS = ("librispeech",), ("common_voice", "commonvoice")
+MAX_LISTED = 8
+
+
+@dataclass(frozen=True)
+class HfSplit:
+    """A split found in a Hugging Face dataset folder: its save_to_disk folder or Parquet files."""
+
+    dataset: Path  # D: the data root, or the folder in it named like the corpus
+    config: str | None  # LibriSpeech: all, clean or other; Common Voice: the locale
+    split: str  # as the dataset names it (validation.clean, train.100, validation, ...)
+    parts: list[Path]
+    chosen_over: str = ""  # why this config was read and another one holding the split was not
+
+    def describe(self) -> str:
+        """Where, relative to the data root, and in which form (the data report's `read_from`)."""
+        first = self.parts[0]
+        where = first if first.is_dir() else first.parent
+        form = "save_to_disk" if first.is_dir() else f"Parquet, {len(self.parts)} file(s)"
+        config = f", config {self.config!r}" if self.config else ""
+        choice = f"; {self.chosen_over}" if self.chosen_over else ""
+        return f"Hugging Face {where.relative_to(self.dataset.parent)} ({form}{config}{choice})"
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,7 +110,20 @@ def is_saved_dataset(folder: Path) -> bool:
 
 
 def saved_config_name(folder: Path) -> str | None:
-    return json.loads((folder / "dataset_info.json").read_text()).get("config_name")
+    try:
+        return json.loads((folder / "dataset_info.json").read_text()).get("config_name")
+    except (OSError, json.JSONDecodeError, AttributeError) as err:
+        raise UserError(f"{folder}/dataset_info.json: not readable ({err})") from None
+
+
+def saved_ls_config(folder: Path) -> str | None:
+    """The config of a LibriSpeech split saved as D/<split>/: its config_name, or else the one
+    config whose splits include every split saved beside it (DatasetDict.save_to_disk)."""
+    if name := saved_config_name(folder):
+        return name
+    beside = {p.name for p in folder.parent.iterdir() if is_saved_dataset(p)}
+    configs = [c for c, splits in LS_CONFIG_SPLITS.items() if beside <= splits]
+    return configs[0] if len(configs) == 1 else None
 
 
 def split_parts(folder: Path, split: str) -> list[Path]:
@@ -80,53 +139,150 @@ def dataset_dirs(root: Path, words: tuple[str, ...]) -> list[Path]:
     return [root, *sorted(named)]
 
 
-def unique_parts(found: list[list[Path]], what: str) -> list[Path] | None:
+def one_dataset(root: Path, found: list[list[HfSplit]], what: str) -> list[HfSplit]:
+    """The candidates of the one dataset folder holding the split ([] if none holds it)."""
     if len(found) > 1:
-        places = ", ".join(
-            str(parts[0].parent if parts[0].is_file() else parts[0]) for parts in found
+        places = ", ".join(str(f[0].dataset) for f in found)
+        raise UserError(f"{what} found in more than one Hugging Face dataset folder under {root}: "
+                        f"{places}; keep one of them there and move the others out")  # fmt: skip
+    return found[0] if found else []
+
+
+def part_rows(part: Path) -> int:
+    try:
+        return (
+            saved_table(part).num_rows if part.is_dir() else pq.ParquetFile(part).metadata.num_rows
         )
-        raise UserError(f"{what} found in several Hugging Face datasets: {places}; "
-                        "point --data-root (or PFLBENCH_DATA) at the one to use")  # fmt: skip
-    return found[0] if found else None
+    except (pa.ArrowException, OSError, KeyError, json.JSONDecodeError) as err:
+        raise UserError(f"{part}: not a readable Hugging Face dataset ({err})") from None
 
 
-def librispeech_hf_parts(root: Path, subset: str) -> list[Path] | None:
+def one_config(candidates: list[HfSplit], what: str) -> HfSplit:
+    """The first of a dataset's configs holding the split, once the others hold as many rows (the
+    Hub repository of openslr/librispeech_asr holds every split under two configs)."""
+    first, *others = candidates
+    if not others:
+        return first
+    rows = {c.config: sum(part_rows(p) for p in c.parts) for c in candidates}
+    if len(set(rows.values())) > 1:
+        counts = ", ".join(f"{n} in config {c!r}" for c, n in rows.items())
+        raise UserError(f"{what}: the configs of {first.dataset} hold different numbers of rows "
+                        f"({counts}): one is an incomplete download; remove it")  # fmt: skip
+    names = " and ".join(repr(c.config) for c in others)
+    note = f"config {names} holds the same split ({rows[first.config]} rows), not read"
+    return HfSplit(first.dataset, first.config, first.split, first.parts, note)
+
+
+def librispeech_hf_parts(root: Path, subset: str) -> HfSplit | None:
     found = []
-    for d in dataset_dirs(root, ("librispeech",)):
+    for d in dataset_dirs(root, LS_WORDS):
+        here = []
         for config, split in LS_SPLITS.get(subset, []):
             parts = split_parts(d / config, split)
             if not parts and split not in AMBIGUOUS_LS_SPLITS:
                 parts = split_parts(d, split)
-            if not parts and is_saved_dataset(d / split) and saved_config_name(d / split) == config:
+            if not parts and is_saved_dataset(d / split) and saved_ls_config(d / split) == config:
                 parts = [d / split]
             if parts:
-                found.append(parts)
-    return unique_parts(found, f"LibriSpeech {subset}")
+                here.append(HfSplit(d, config, split, parts))
+        if here:
+            found.append(here)
+    candidates = one_dataset(root, found, f"LibriSpeech {subset}")
+    return one_config(candidates, f"LibriSpeech {subset}") if candidates else None
 
 
-def commonvoice_hf_parts(root: Path, locale: str, split: str) -> list[Path] | None:
+def commonvoice_hf_parts(root: Path, locale: str, split: str) -> HfSplit | None:
     hf_split = CV_SPLITS.get(split, split)
     found = []
-    for d in dataset_dirs(root, ("common_voice", "commonvoice")):
-        parts = split_parts(d / locale, hf_split)
+    for d in dataset_dirs(root, CV_WORDS):
+        parts, config = split_parts(d / locale, hf_split), locale
         if not parts and is_saved_dataset(d / hf_split):
-            parts = [d / hf_split] if saved_config_name(d / hf_split) in (locale, None) else []
+            config = saved_config_name(d / hf_split)
+            parts = [d / hf_split] if config in (locale, None) else []
         if parts:
-            found.append(parts)
-    return unique_parts(found, f"Common Voice {locale} {split}")
+            found.append([HfSplit(d, config, hf_split, parts)])
+    candidates = one_dataset(root, found, f"Common Voice {locale} {split}")
+    return candidates[0] if candidates else None
 
 
 def librispeech_hf_looked_for(root: Path, subset: str) -> list[str]:
-    pairs = LS_SPLITS.get(subset, [])
-    return [
-        f"{root}[/*librispeech*]/{c}/{s}/ (save_to_disk) or {c}/{s}-*.parquet" for c, s in pairs
-    ]
+    looked = []
+    for config, split in LS_SPLITS.get(subset, []):
+        alone = (f"{split}/ (save_to_disk of config {config})" if split in AMBIGUOUS_LS_SPLITS
+                 else f"{split}/ (save_to_disk or *.parquet) or {split}-*.parquet")  # fmt: skip
+        looked.append(f"{root}[/*librispeech*]/{config}/{split}/ (save_to_disk or *.parquet) or "
+                      f"{config}/{split}-*.parquet or {alone}")  # fmt: skip
+    return looked
 
 
 def commonvoice_hf_looked_for(root: Path, locale: str, split: str) -> list[str]:
     hf_split = CV_SPLITS.get(split, split)
     return [f"{root}[/*common_voice*]/{locale}/{hf_split}/ (save_to_disk or *.parquet) or "
-            f"{locale}/{hf_split}-*.parquet"]  # fmt: skip
+            f"{locale}/{hf_split}-*.parquet or {hf_split}/ (save_to_disk of config {locale} or "
+            "of none)"]  # fmt: skip
+
+
+def saved_form(folder: Path) -> str:
+    config = saved_config_name(folder)
+    return "save_to_disk, " + (f"config {config!r}" if config else "no config_name")
+
+
+def listed(items: list[str], most: int) -> str:
+    return ", ".join(items[:most]) + (
+        f", ... ({len(items) - most} more)" if len(items) > most else ""
+    )
+
+
+def holds_split(folder: Path) -> bool:
+    return is_saved_dataset(folder) or any(folder.glob("*.parquet"))
+
+
+def listing(folder: Path, usable_only: bool = False) -> str:
+    """What a folder holds that could be a split or a config: save_to_disk folders, and folders
+    with what they hold of split folders and Parquet files (`usable_only`: none of the others)."""
+    items = []
+    for p in sorted(folder.iterdir()):
+        if is_saved_dataset(p):
+            items.append(f"{p.name}/ ({saved_form(p)})")
+        elif p.is_dir():
+            inner = [f"{c.name}/" for c in sorted(p.iterdir()) if holds_split(c)]
+            inner += [f.name for f in sorted(p.glob("*.parquet"))]
+            if inner or not usable_only:
+                items.append(
+                    f"{p.name}/ ({listed(inner, 3) or 'neither save_to_disk nor Parquet'})"
+                )
+        elif p.suffix == ".parquet":
+            items.append(p.name)
+    return listed(items, MAX_LISTED)
+
+
+def hf_found_instead(
+    root: Path, words: tuple[str, ...], configs: list[str], splits: list[str]
+) -> list[str]:
+    """Near misses: what each dataset folder's config folders hold, or, where the folder named
+    like the corpus has none of them, what it holds that is a Hugging Face dataset; and the
+    `splits` saved directly in a dataset folder that were not taken (another config, or none that
+    says which)."""
+    found = []
+    for d in dataset_dirs(root, words):
+        config_dirs = [d / c for c in dict.fromkeys(configs) if (d / c).is_dir()]
+        found += [f"{c} holds {listing(c) or 'nothing'}" for c in config_dirs]
+        if d != root and not config_dirs:
+            if held := listing(d, usable_only=True):
+                found.append(f"{d} holds {held}")
+        else:
+            saved = [d / s for s in dict.fromkeys(splits) if is_saved_dataset(d / s)]
+            found += [f"{p} ({saved_form(p)})" for p in saved]
+    return found
+
+
+def librispeech_hf_found_instead(root: Path, subset: str) -> list[str]:
+    pairs = LS_SPLITS.get(subset, [])
+    return hf_found_instead(root, LS_WORDS, [c for c, _ in pairs], [s for _, s in pairs])
+
+
+def commonvoice_hf_found_instead(root: Path, locale: str, split: str) -> list[str]:
+    return hf_found_instead(root, CV_WORDS, [locale], [CV_SPLITS.get(split, split)])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -141,8 +297,9 @@ def saved_table(folder: Path) -> pa.Table:
     )
 
 
-def read_columns(part: Path, columns: tuple[str, ...]) -> pa.Table:
-    """The text columns of a part (a Parquet file's audio bytes are not read here)."""
+def read_columns(part: Path, columns: tuple[str, ...], optional: tuple[str, ...] = ()) -> pa.Table:
+    """The text columns of a part, and those of `optional` it has (a Parquet file's audio bytes
+    are not read here)."""
     try:
         saved = saved_table(part) if part.is_dir() else None
         schema = pq.read_schema(part) if saved is None else saved.schema
@@ -151,19 +308,26 @@ def read_columns(part: Path, columns: tuple[str, ...]) -> pa.Table:
     missing = [c for c in (*columns, "audio") if c not in schema.names]
     if missing:
         raise UserError(f"{part}: no column(s) {', '.join(missing)} (has {schema.names})")
-    return pq.read_table(part, columns=list(columns)) if saved is None else saved.select(columns)
+    wanted = [*columns, *(c for c in optional if c in schema.names)]
+    return pq.read_table(part, columns=wanted) if saved is None else saved.select(wanted)
+
+
+Attributes = tuple[tuple[str, str], ...]
 
 
 def hf_manifest(
-    parts: list[Path], fields: tuple[str, str, str], corpus: str, split: str, language: str,
-    skips: Skips,
+    found: HfSplit, fields: tuple[str, str, str], optional: tuple[str, ...], corpus: str,
+    split: str, language: str, skips: Skips, attributes: Callable[[pa.Table], list[Attributes]],
 ) -> list[Entry]:  # fmt: skip
-    """Entries of the rows of `parts`; `fields` name the utterance id, user and transcript."""
+    """Entries of the rows of the split; `fields` name the utterance id, user and transcript;
+    `attributes` gives each row's speaker attributes from a part's table (`fields` and those of
+    the `optional` columns it has)."""
     entries, seen = [], set()
-    for part in parts:
-        table = read_columns(part, fields)
+    for part in found.parts:
+        table = read_columns(part, fields, optional)
         ids, users, texts = (table.column(name).to_pylist() for name in fields)
-        for row, (utt, user, raw) in enumerate(zip(ids, users, texts, strict=True)):
+        rows = zip(ids, users, texts, attributes(table), strict=True)
+        for row, (utt, user, raw, attrs) in enumerate(rows):
             utt_id = Path(utt).stem if utt else f"{part.name}#{row}"  # CV `path` -> clip name
             if not utt:
                 skips.add("missing_utterance_id", utt_id)
@@ -176,20 +340,50 @@ def hf_manifest(
                 continue
             seen.add(utt_id)
             entry = make_entry(utt_id, str(user), split, f"hf:{part}#{row}", raw or "", corpus,
-                               language, skips)  # fmt: skip
+                               language, skips, attrs)  # fmt: skip
             if entry:
                 entries.append(entry)
     return entries
 
 
-def librispeech_hf_manifest(parts: list[Path], subset: str, language: str, skips: Skips):
-    """User = speaker_id, as for the native tree."""
-    return hf_manifest(parts, LS_FIELDS, "librispeech", subset, language, skips)
+def librispeech_hf_manifest(found: HfSplit, subset: str, language: str, skips: Skips) -> Manifest:
+    """User = speaker_id, as for the native tree; gender from SPEAKERS.TXT in the dataset folder
+    (the dataset has no speaker attributes)."""
+    genders = librispeech_genders(found.dataset)
+
+    def gender(table: pa.Table) -> list[Attributes]:
+        speakers = table.column("speaker_id").to_pylist()
+        return [(("gender", genders.get(str(s), UNREPORTED)),) if genders else () for s in speakers]
+
+    entries = hf_manifest(found, LS_FIELDS, (), "librispeech", subset, language, skips, gender)
+    why = (f"openslr/librispeech_asr has no speaker attributes, and {no_genders(found.dataset)} "
+           f"(copy LibriSpeech's SPEAKERS.TXT into {found.dataset.name}/)")  # fmt: skip
+    return Manifest(entries, found.describe(), None if genders else why)
 
 
-def commonvoice_hf_manifest(parts: list[Path], split: str, language: str, skips: Skips):
-    """User = client_id; utterance id = the clip name, as for the native release."""
-    return hf_manifest(parts, CV_FIELDS, "commonvoice", split, language, skips)
+def reported(value) -> str:
+    """An attribute cell: empty or null is unreported, as in the native TSVs."""
+    return (str(value).strip() if value is not None else "") or UNREPORTED
+
+
+def commonvoice_hf_manifest(found: HfSplit, split: str, language: str, skips: Skips) -> Manifest:
+    """User = client_id; utterance id = the clip name, as for the native release; age, gender and
+    accent from their columns."""
+    present: set[str] = set()  # the attributes some part has a column for
+
+    def columns(table: pa.Table) -> list[Attributes]:
+        cols = {a: next((c for c in names if c in table.column_names), None)
+                for a, names in CV_ATTRIBUTE_COLUMNS.items()}  # fmt: skip
+        values = {a: table.column(c).to_pylist() for a, c in cols.items() if c}
+        present.update(values)
+        return [tuple((a, reported(v[i])) for a, v in values.items()) for i in range(len(table))]
+
+    optional = tuple(c for names in CV_ATTRIBUTE_COLUMNS.values() for c in names)
+    entries = hf_manifest(found, CV_FIELDS, optional, "commonvoice", split, language, skips,
+                          columns)  # fmt: skip
+    why = (f"{found.dataset.name} split {found.split!r} has none of the columns "
+           f"{', '.join(CV_ATTRIBUTE_COLUMNS)}")  # fmt: skip
+    return Manifest(entries, found.describe(), None if present else why)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections import Counter
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from pathlib import Path
 
 from pflbench.checkpoint import exclusive
 from pflbench.data.adapters import CORPORA
-from pflbench.data.corpora import Entry, Skips, speaker_groups
+from pflbench.data.corpora import Entry, Manifest, Skips, speaker_groups
 from pflbench.data.features import FEATURE_CONFIG
 from pflbench.data.splits import apply_user_split, iid_reassign, users_digest
 from pflbench.data.store import FeatureStore, build_store
@@ -30,7 +31,9 @@ class TaskData:
     seed_train: FeatureStore | None
     federated_train: FeatureStore
     eval_sets: dict[str, FeatureStore]
-    report: dict  # per split: skipped counts by reason + example ids, user digest, sizes
+    # per split: sizes, skipped counts by reason + example ids, where each subset was read from,
+    # its speakers' groups (or why there are none): FeatureStore.stats() and split_notes()
+    report: dict
     # per eval set: attribute -> speaker -> group (age, gender, accent), for per-group WER
     eval_groups: dict[str, dict[str, dict[str, str]]] = field(default_factory=dict)
 
@@ -77,40 +80,68 @@ def data_root_for(
 
 def subset_manifest(
     root: Path, corpus: str, subset: str, locale: str | None, language: str, skips: Skips
-) -> list[Entry]:
+) -> Manifest:
     """The corpus as downloaded (a LibriSpeech tree, a Common Voice release) if present, else its
-    Hugging Face dataset; the error lists every place looked at. The corpus's adapter
-    (pflbench.data.adapters) knows where each lies and how to read it."""
+    Hugging Face dataset; the error lists every place looked at and what is there instead. The
+    corpus's adapter (pflbench.data.adapters) knows where each lies and how to read it."""
     adapter = CORPORA[corpus]
     locale = locale or language
     found = adapter.find(root, subset, locale)
     if found:
         return adapter.read(found, subset, language, skips)
-    parts = adapter.find_hf(root, subset, locale)
-    if parts:
-        return adapter.read_hf(parts, subset, language, skips)
+    found_hf = adapter.find_hf(root, subset, locale)
+    if found_hf:
+        return adapter.read_hf(found_hf, subset, language, skips)
     looked_for = adapter.looked_for(root, subset, locale) + adapter.looked_for_hf(
         root, subset, locale
     )
+    instead = adapter.found_instead(root, subset, locale)
     raise UserError(
         f"{adapter.describe(subset, locale)} not found; looked for " + "; ".join(looked_for)
-    )
+        + ("; found instead: " + "; ".join(instead) if instead else "")
+    )  # fmt: skip
+
+
+def split_notes(manifests: dict[str, Manifest], entries: list[Entry]) -> dict:
+    """What the data report says of a split besides its sizes: where each subset was read from
+    and how many speakers each group of each attribute has, or why the speakers form no groups
+    (so that per-group WER never disappears unexplained)."""
+    groups = speaker_groups(entries)
+    notes: dict = {
+        "read_from": {subset: m.source for subset, m in manifests.items()},
+        "speaker_groups": {
+            attribute: dict(sorted(Counter(of_speaker.values()).items()))
+            for attribute, of_speaker in groups.items()
+        },
+    }
+    if not groups:
+        why = [m.no_attributes for m in manifests.values() if m.no_attributes]
+        attributes = sorted({name for e in entries for name, _ in e.attributes})
+        if attributes:
+            why.append(f"all speakers are in one group of each of {', '.join(attributes)}")
+        notes["speaker_groups_unavailable"] = "; ".join(dict.fromkeys(why))
+    return notes
 
 
 def source_manifest(
     root: Path, source: DataSource, language: str, skips: Skips
-) -> tuple[list[Entry], dict]:
-    entries = []
-    for subset in source.subsets:
-        entries += subset_manifest(root, source.corpus, subset, source.locale, language, skips)
+) -> tuple[list[Entry], dict, dict]:
+    """The source's entries, what its store's report keeps, and its split_notes (the speaker
+    groups of its speakers: before an -iid task turns them into pseudo-users)."""
+    manifests = {
+        subset: subset_manifest(root, source.corpus, subset, source.locale, language, skips)
+        for subset in source.subsets
+    }
+    entries = [e for m in manifests.values() for e in m.entries]
     info = {"users_before_split": len({e.user_id for e in entries})}
     if source.user_split is not None:
         us = source.user_split
         entries = apply_user_split(entries, us.percent, us.part, us.seed)
     info["users_digest"] = users_digest(e.user_id for e in entries)
+    notes = split_notes(manifests, entries)
     if source.iid:
         entries = iid_reassign(entries, source.user_split.seed if source.user_split else 0)
-    return entries, info
+    return entries, info, notes
 
 
 def manifest_digest(entries: list[Entry], language: str) -> str:
@@ -177,11 +208,12 @@ def prepare_task(
         language = task.language
         sources = {"seed": task.seed_data, "federated": task.federated_data}
         stores: dict[str, FeatureStore] = {}
+        notes: dict[str, dict] = {}  # not in the stores' reports: not part of their digests
         for name, source in sources.items():
             if source is None:
                 continue
             skips = Skips()
-            entries, info = source_manifest(root, source, language, skips)
+            entries, info, notes[name] = source_manifest(root, source, language, skips)
             if not entries:
                 raise UserError(f"task {task.name!r}: the {name} data has no usable utterances")
             label = split_label(source.corpus, source.subsets, source.locale)
@@ -193,10 +225,11 @@ def prepare_task(
             )
         eval_groups = {}
         for ev in task.eval_sets:
-            stores[f"eval:{ev.name}"], eval_groups[ev.name] = prepare_eval(
+            name = f"eval:{ev.name}"
+            stores[name], eval_groups[ev.name], notes[name] = prepare_eval(
                 ev, root, language, cache_dir, bars
             )
-    report = {name: store.stats() for name, store in stores.items()}
+    report = {name: {**store.stats(), **notes[name]} for name, store in stores.items()}
     return TaskData(
         tokenizer=tokenizer_for(language),
         seed_train=stores.get("seed"),
@@ -209,16 +242,17 @@ def prepare_task(
 
 def prepare_eval(
     ev: EvalSet, root: Path, language: str, cache_dir: Path, bars
-) -> tuple[FeatureStore, dict[str, dict[str, str]]]:
-    """The eval set's feature store and its speakers' groups (`speaker_groups`)."""
+) -> tuple[FeatureStore, dict[str, dict[str, str]], dict]:
+    """The eval set's feature store, its speakers' groups (`speaker_groups`) and split_notes."""
     skips = Skips()
-    entries = subset_manifest(root, ev.corpus, ev.subset, ev.locale, language, skips)
+    manifest = subset_manifest(root, ev.corpus, ev.subset, ev.locale, language, skips)
+    entries = manifest.entries
     if not entries:
         raise UserError(f"eval set {ev.name!r} ({ev.corpus} {ev.subset}) has no usable utterances")
     info = {"users_digest": users_digest(e.user_id for e in entries)}
     label = split_label(ev.corpus, [ev.subset], ev.locale)
     store = prepare_split(ev.name, label, entries, info, skips, language, cache_dir, bars)
-    return store, speaker_groups(entries)
+    return store, speaker_groups(entries), split_notes({ev.subset: manifest}, entries)
 
 
 def _progress():

@@ -212,4 +212,8 @@ def data_info(data, seed_path: Path | None) -> DataInfo:
         digests["seed_model"] = tensors_digest(seed_path)
     digests.update({name: store.digest for name, store in data.eval_sets.items()})
     skipped = {split: stats.get("skipped", {}) for split, stats in data.report.items()}
-    return DataInfo(digests=digests, skipped=skipped)
+    sources = {
+        split: {k: stats[k] for k in ("read_from", "speaker_groups_unavailable") if k in stats}
+        for split, stats in data.report.items()
+    }
+    return DataInfo(digests=digests, skipped=skipped, sources=sources)

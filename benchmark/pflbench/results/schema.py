@@ -243,6 +243,12 @@ class Software(Strict):
 class DataInfo(Strict):
     digests: dict[str, str] = Field(default_factory=dict)
     skipped: dict[str, Any] = Field(default_factory=dict)
+    sources: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Per split (as in `skipped`): `read_from`, where each subset was read (a "
+        "Hugging Face dataset's config included), and `speaker_groups_unavailable`, why its "
+        "speakers form no groups for per-group WER, where they form none.",
+    )
 
 
 class Diagnostics(Strict):
