@@ -12,8 +12,16 @@ from typer.testing import CliRunner
 
 from pflbench.cli import app
 from pflbench.errors import UserError
-from pflbench.results.leaderboard import fmt_wer, load_results, render_leaderboard
-from pflbench.results.schema import schema_json
+from pflbench.results.leaderboard import (
+    VERIFICATION_FILE,
+    filed_dir,
+    fmt_wer,
+    load_result_files,
+    load_results,
+    reevaluated_ids,
+    render_leaderboard,
+)
+from pflbench.results.schema import Outputs, schema_json
 from pflbench.spec.models import Budget
 
 REPO = Path(__file__).parents[1]
@@ -102,6 +110,47 @@ def test_record_filed_in_the_wrong_place_is_refused(tmp_path):
     (root / "fx-task" / "fx-nodp" / source.name).write_bytes(source.read_bytes())
     with pytest.raises(UserError, match="belongs at results/fx-task/fx-dp/"):
         load_results(root)
+
+
+def test_the_checked_column_says_how_far_each_rows_wer_was_recomputed(tmp_path):
+    """Records filed before runs stored hypotheses are "not re-scored"; with hypotheses they are
+    "re-scored" (CI re-scores them), and with a filed verification stamp "re-evaluated"."""
+    root = copy_golden(tmp_path)
+    files = load_result_files(root)
+    fedavg = sorted(
+        (path, r) for path, r, _ in files if r.task.name == "fx-task" and r.baseline == "fedavg"
+    )
+    assert len(fedavg) == 3  # one row of three seeds
+    outputs = Outputs(final_model="0" * 64, hypotheses={"cv-dev": "1" * 64, "cv-test": "2" * 64})
+    with_outputs = {fedavg[0][1].record_id, fedavg[1][1].record_id}
+    records = [
+        r.model_copy(update={"outputs": outputs}) if r.record_id in with_outputs else r
+        for _, r, _ in files
+    ]
+    # A stamp beside a filed record: the file is the record's, not a record of its own.
+    stamp_dir = filed_dir(fedavg[0][0])
+    stamp_dir.mkdir()
+    (stamp_dir / VERIFICATION_FILE).write_text("{}")
+    assert [r for _, r, _ in load_result_files(root)] == [r for _, r, _ in files]
+    reevaluated = reevaluated_ids(load_result_files(root))
+    assert reevaluated == {fedavg[0][1].record_id}
+    text = render_leaderboard(records, VERSIONS, BUDGETS, reevaluated=reevaluated)
+    checked = {  # record ids -> checked, per ranked row
+        line.split(" | ")[-4]: line.split(" | ")[-1].rstrip(" |")
+        for line in text.splitlines()
+        if line.startswith("| ") and line.split(" | ")[0][2:].isdigit()
+    }
+    row = ", ".join(sorted(r.record_id for _, r in fedavg))
+    assert checked.pop(row) == "1 not re-scored, 1 re-evaluated, 1 re-scored"
+    central = next(r.record_id for r in records if r.kind == "reference")
+    assert checked.pop(central) == "–"
+    assert len(checked) >= 5 and set(checked.values()) == {"not re-scored"}
+    # A file in a folder without its record is not a filed record's: it is refused.
+    stray = root / "fx-task" / "fx-dp" / ("0" * 16) / VERIFICATION_FILE
+    stray.parent.mkdir()
+    stray.write_text("{}")
+    with pytest.raises(UserError, match="a record is a JSON object|invalid record|schema_version"):
+        load_result_files(root)
 
 
 def test_cli_check_exits_nonzero_when_stale(tmp_path, monkeypatch):

@@ -1,9 +1,15 @@
-"""`pflbench submit`: a valid run is filed; every refusal is triggered by a tampered record."""
+"""`pflbench submit`: a valid run is filed; every refusal is triggered by a tampered record.
+
+The records here are made up around honest hypotheses: each eval set's references from the tiny
+synthetic Common-Voice-like corpus with a few words dropped, and the figures that pflbench's own
+re-scoring gives for them (the same way an honest privacy claim comes from privacy_statement)."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
+from hashlib import sha256
 from pathlib import Path
 
 import pytest
@@ -12,24 +18,37 @@ from pflbench.errors import UserError
 from pflbench.privacy.statement import privacy_statement
 from pflbench.results.bench import synthetic_record
 from pflbench.results.leaderboard import load_results, render_leaderboard
+from pflbench.results.rescore import DataOptions, rescored
 from pflbench.results.schema import (
     MAX_RECORD_BYTES,
     compute_record_id,
     load_record,
     safe_name,
 )
-from pflbench.results.submit import record_path, submit
+from pflbench.results.submit import record_path, submit, validate_record
+from pflbench.rundir import HYPOTHESES_DIR, hypotheses_content, write_hypotheses
 from pflbench.spec.registry import load_registry
 from pflbench.spec.resolve import config_json_hash, resolve
 
 SPECS = Path(__file__).parent / "fixtures" / "results" / "specs"
 SIGMA_DP = 0.01  # z = 1 at the fx-dp budget's cohort of 100: ε(rdp) ≈ 1.42 ≤ 1.5
 POPULATION = 100  # users of the (pretend) simulated corpus
+HYPOTHESES: dict[int, dict] = {}  # seed -> {eval set: {"utterances": [...]}}, by make_record
 
 
 @pytest.fixture(scope="module")
 def registry():
     return load_registry([SPECS])
+
+
+@pytest.fixture(scope="module")
+def data(tiny_corpus_root, tiny_cache_dir) -> DataOptions:
+    """fx-task's eval sets (Common Voice en dev and test) from the tiny synthetic corpus."""
+    return DataOptions(data_root=tiny_corpus_root, cache_dir=tiny_cache_dir)
+
+
+def accept(run_dir: Path, results: Path, registry, data: DataOptions, **kwargs):
+    return submit(run_dir, results, registry, data=data, **kwargs)
 
 
 def finalize(record: dict) -> dict:
@@ -40,7 +59,11 @@ def finalize(record: dict) -> dict:
     return record
 
 
-def make_record(registry, budget: str = "fx-dp", seed: int = 0, sigma_dp: float = SIGMA_DP):
+def make_record(
+    registry, data: DataOptions, budget: str = "fx-dp", seed: int = 0, sigma_dp: float = SIGMA_DP
+):
+    """A record of fx-task whose figures are those of its hypotheses (HYPOTHESES[seed]): the
+    references, with the last word of every (3 + seed)-th utterance dropped."""
     config = resolve(registry, "fx-task", "perlayer-dim", budget, seed)
     privacy = None
     if config.budget.dp:
@@ -55,56 +78,87 @@ def make_record(registry, budget: str = "fx-dp", seed: int = 0, sigma_dp: float 
             sampling=fed.sampling,
             budget=config.budget,
         )
-    wers = {"cv-dev": 0.3 + seed / 100, "cv-test": 0.35 + seed / 100}
+    eval_data = data.eval_data(config.task)
+    results, final = {}, {}
+    for eval_set in config.task.eval_sets:
+        refs = sorted(eval_data.eval_sets[eval_set.name].references())
+        hypotheses = {
+            utt_id: " ".join(text.split()[:-1]) if i % (3 + seed) == 0 else text
+            for i, (utt_id, _, text) in enumerate(refs)
+        }
+        utterances = [{"utt_id": u, "hypothesis": h} for u, h in hypotheses.items()]
+        results[eval_set.name] = {"utterances": utterances}
+        final[eval_set.name] = rescored(eval_set, eval_data, hypotheses, "test")
+    HYPOTHESES[seed] = results
     created = f"2026-03-0{seed + 1}T00:00:00+00:00"
-    return synthetic_record(config.model_dump(mode="json"), wers, created, privacy)
+    wers = {name: result.wer for name, result in final.items()}
+    record = synthetic_record(config.model_dump(mode="json"), wers, created, privacy)
+    record["metrics"]["final"] = {n: r.model_dump(mode="json") for n, r in final.items()}
+    record["data"]["digests"] = {n: s.digest for n, s in eval_data.eval_sets.items()}
+    digests = {
+        n: sha256(hypotheses_content(r["utterances"])).hexdigest() for n, r in results.items()
+    }
+    record["outputs"] = {"final_model": "0" * 64, "hypotheses": digests}
+    record["record_id"] = compute_record_id(record)
+    return record
 
 
 def write_run(run_dir: Path, record: dict, done: bool = True) -> Path:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(record["config"], indent=2))
     (run_dir / "record.json").write_text(json.dumps(record, indent=2))
+    if record.get("seed") in HYPOTHESES:
+        write_hypotheses(run_dir / HYPOTHESES_DIR, HYPOTHESES[record["seed"]])
     if done:
         (run_dir / "DONE").write_text("done\n")
     return run_dir
 
 
 @pytest.fixture(scope="module")
-def dp_record(registry):
-    return make_record(registry)
+def dp_record(registry, data):
+    return make_record(registry, data)
 
 
 def refused(tmp_path: Path, registry, record: dict, match: str, **kwargs) -> None:
     run_dir = write_run(tmp_path / "run", record)
     with pytest.raises(UserError, match=match):
         submit(run_dir, tmp_path / "results", registry, **kwargs)
-    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").rglob("*.json"))
+    assert not (tmp_path / "results").exists() or not any((tmp_path / "results").rglob("*"))
 
 
 # ----------------------------------------------------------------------------------------------
 # Accepted
 
 
-def test_valid_dp_run_is_filed_and_shown(tmp_path, registry, dp_record):
+def test_valid_dp_run_is_filed_and_shown(tmp_path, registry, data, dp_record):
     run_dir = write_run(tmp_path / "run", dp_record)
     (run_dir / "checkpoints").mkdir()
     (run_dir / "checkpoints" / "final.safetensors").write_bytes(b"weights")
-    accepted = submit(run_dir, tmp_path / "results", registry)
+    accepted = accept(run_dir, tmp_path / "results", registry, data)
     expected = tmp_path / "results" / "fx-task" / "fx-dp" / f"{dp_record['record_id']}.json"
-    assert accepted.path == expected and not accepted.stale
+    assert accepted.path == expected and not accepted.stale and not accepted.reevaluated
     stored, raw = load_record(expected)
     assert raw == dp_record
-    # Only the record is stored.
-    assert sorted(p.name for p in (tmp_path / "results").rglob("*") if p.is_file()) == [
-        expected.name
-    ]
+    # The record and what re-scoring needs (the hypotheses, gzipped); not the checkpoints.
+    filed = sorted(str(p.relative_to(expected.parent)) for p in expected.parent.rglob("*.*"))
+    hypotheses = [f"{expected.stem}/hypotheses/{name}.jsonl.gz" for name in ("cv-dev", "cv-test")]
+    assert filed == [expected.name, *hypotheses]
+    for name in hypotheses:
+        assert (expected.parent / name).read_bytes() == (
+            run_dir / name.split("/", 1)[1]
+        ).read_bytes()
+    dev, test = (100 * dp_record["metrics"]["final"][n]["wer"] for n in ("cv-dev", "cv-test"))
+    assert 0 < dev < 100 and 0 < test < 100
     text = render_leaderboard(load_results(tmp_path / "results"), {"fx-task": 2})
-    assert "| perlayer-dim (rule: clip) | 30.00 | 35.00 | 1.42 rdp |" in text
+    row = next(line for line in text.splitlines() if dp_record["record_id"] in line)
+    assert row.startswith(f"| 1 | perlayer-dim (rule: clip) | {dev:.2f} [")  # [95% CI]
+    assert f"| {test:.2f} [" in row and "| 1.42 rdp |" in row
+    assert row.endswith("| run | re-scored |")
 
 
-def test_no_dp_run_is_filed(tmp_path, registry):
-    record = make_record(registry, budget="fx-nodp")
-    accepted = submit(write_run(tmp_path / "run", record), tmp_path / "results", registry)
+def test_no_dp_run_is_filed(tmp_path, registry, data):
+    record = make_record(registry, data, budget="fx-nodp")
+    accepted = accept(write_run(tmp_path / "run", record), tmp_path / "results", registry, data)
     assert accepted.path.parent == tmp_path / "results" / "fx-task" / "fx-nodp"
 
 
@@ -137,13 +191,13 @@ def test_run_dir_config_differs_from_record(tmp_path, registry, dp_record):
         submit(run_dir, tmp_path / "results", registry)
 
 
-def test_old_task_version_needs_stale_and_is_shown_stale(tmp_path, registry, dp_record):
+def test_old_task_version_needs_stale_and_is_shown_stale(tmp_path, registry, data, dp_record):
     record = copy.deepcopy(dp_record)
     record["config"]["task"]["version"] = 1
     record["task"]["version"] = 1
     record = finalize(record)
     refused(tmp_path, registry, record, "version 2 in the registry but the run used version 1")
-    accepted = submit(tmp_path / "run", tmp_path / "results", registry, stale_ok=True)
+    accepted = accept(tmp_path / "run", tmp_path / "results", registry, data, stale_ok=True)
     assert accepted.stale
     text = render_leaderboard(load_results(tmp_path / "results"), {"fx-task": 2})
     assert "perlayer-dim (rule: clip) ⚠ stale (v1)" in text
@@ -163,12 +217,13 @@ def test_a_tampered_prv_cross_check_is_refused(tmp_path, registry, dp_record):
 
 
 def test_a_record_from_before_prv_with_rdp_and_pld_claims_only_is_filed(
-    tmp_path, registry, dp_record
+    tmp_path, registry, data, dp_record
 ):
     record = copy.deepcopy(dp_record)
     for scale in ("simulated", "extrapolated"):
         del record["privacy"][scale]["epsilon"]["prv"]
-    accepted = submit(write_run(tmp_path / "run", finalize(record)), tmp_path / "results", registry)
+    run_dir = write_run(tmp_path / "run", finalize(record))
+    accepted = accept(run_dir, tmp_path / "results", registry, data)
     assert set(accepted.record.privacy.extrapolated.epsilon) == {"rdp", "pld"}
 
 
@@ -178,25 +233,25 @@ def test_privacy_claim_with_wrong_noise_multiplier(tmp_path, registry, dp_record
     refused(tmp_path, registry, finalize(record), "noise_multiplier")
 
 
-def test_epsilon_above_budget(tmp_path, registry):
+def test_epsilon_above_budget(tmp_path, registry, data):
     # An honest claim (the accountants agree) for too little noise for the budget it is filed under.
-    record = make_record(registry, sigma_dp=SIGMA_DP * 0.8)
+    record = make_record(registry, data, sigma_dp=SIGMA_DP * 0.8)
     refused(tmp_path, registry, record, "above the budget 'fx-dp'")
 
 
-def test_a_pld_budget_is_claimed_and_checked_by_pld(tmp_path, registry):
+def test_a_pld_budget_is_claimed_and_checked_by_pld(tmp_path, registry, data):
     """One accountant choice: the budget's. σ_DP = 0.01 gives ε = 0.82 by PLD and 1.42 by RDP at
     fx-dp-pld's scale, so the run meets its ε = 1.0 budget by the budget's own accountant."""
-    record = make_record(registry, budget="fx-dp-pld")
+    record = make_record(registry, data, budget="fx-dp-pld")
     assert record["privacy"]["claimed_by"] == "pld"
-    accepted = submit(write_run(tmp_path / "run", record), tmp_path / "results", registry)
+    accepted = accept(write_run(tmp_path / "run", record), tmp_path / "results", registry, data)
     assert accepted.record.privacy.extrapolated.epsilon["pld"].epsilon <= 1.0
     text = render_leaderboard(load_results(tmp_path / "results"), {"fx-task": 2})
     assert "| 0.816 pld |" in text
 
 
-def test_a_claim_by_another_accountant_than_the_budgets_is_refused(tmp_path, registry):
-    record = copy.deepcopy(make_record(registry, budget="fx-dp-pld"))
+def test_a_claim_by_another_accountant_than_the_budgets_is_refused(tmp_path, registry, data):
+    record = copy.deepcopy(make_record(registry, data, budget="fx-dp-pld"))
     record["privacy"]["claimed_by"] = "rdp"
     refused(tmp_path, registry, finalize(record), "privacy.claimed_by is 'rdp' but the config")
 
@@ -220,13 +275,91 @@ def test_leaderboard_says_a_pseudo_user_epsilon_is_per_pseudo_user(tmp_path, reg
     assert "| 1.42 rdp, per pseudo-user |" in text
 
 
+def test_a_forged_wer_is_refused_naming_the_field_and_both_values(
+    tmp_path, registry, data, dp_record
+):
+    record = copy.deepcopy(dp_record)
+    honest = record["metrics"]["final"]["cv-test"]["wer"]
+    record["metrics"]["final"]["cv-test"]["wer"] = honest / 2  # record_id recomputed below
+    message = (
+        f"metrics.final.cv-test.wer is {honest / 2!r} in the record, but re-scoring the stored "
+        f"hypotheses against the eval set's references gives {honest!r}"
+    )
+    with pytest.raises(UserError, match=re.escape(message)):
+        accept(write_run(tmp_path / "run", finalize(record)), tmp_path / "results", registry, data)
+    assert not (tmp_path / "results").exists()
+
+
+@pytest.mark.parametrize(
+    "field", ["cer", "speaker_wer_p90", "num_utterances", "speakers", "groups"]
+)
+def test_every_recorded_figure_is_re_scored(tmp_path, registry, data, dp_record, field):
+    record = copy.deepcopy(dp_record)
+    result = record["metrics"]["final"]["cv-dev"]
+    if field == "speakers":  # one error moved between two speakers: the totals still add up
+        a, b = sorted(speaker for speaker, (errors, _) in result["speakers"].items() if errors)[:2]
+        result["speakers"][a][0] -= 1
+        result["speakers"][b][0] += 1
+        field = f"speakers.{a}"
+    elif field == "groups":  # the same in the gender groups
+        groups = result["groups"]["gender"]
+        a, b = sorted(groups)[:2]
+        groups[a]["errors"] += 1
+        groups[a]["wer"] = groups[a]["errors"] / groups[a]["words"]
+        groups[b]["errors"] -= 1
+        groups[b]["wer"] = groups[b]["errors"] / groups[b]["words"]
+        field = f"groups.gender.{a}.errors"
+    else:
+        result[field] = result[field] / 2 if field != "num_utterances" else result[field] - 1
+    with pytest.raises(UserError, match=f"metrics.final.cv-dev.{field} is"):
+        accept(write_run(tmp_path / "run", finalize(record)), tmp_path / "results", registry, data)
+
+
+def test_a_changed_hypotheses_file_is_refused(tmp_path, registry, data, dp_record):
+    import gzip
+
+    run_dir = write_run(tmp_path / "run", dp_record)
+    path = run_dir / HYPOTHESES_DIR / "cv-test.jsonl.gz"
+    lines = gzip.decompress(path.read_bytes()).decode().splitlines()
+    lines[0] = json.dumps({"hypothesis": "", "utt_id": json.loads(lines[0])["utt_id"]})
+    path.write_bytes(gzip.compress(("\n".join(lines) + "\n").encode()))
+    with pytest.raises(UserError, match="cv-test.jsonl.gz: its content's sha256 .* changed"):
+        accept(run_dir, tmp_path / "results", registry, data)
+    path.unlink()
+    with pytest.raises(UserError, match="cv-test.jsonl.gz: no such file"):
+        accept(run_dir, tmp_path / "results", registry, data)
+    assert not (tmp_path / "results").exists()
+
+
+def test_hypotheses_must_cover_exactly_the_eval_sets_utterances(
+    tmp_path, registry, data, dp_record
+):
+    """A file that leaves an utterance out (its digest in the record, consistently) is refused:
+    re-scoring would otherwise pass over the utterances a run got wrong."""
+    record = copy.deepcopy(dp_record)
+    utterances = HYPOTHESES[0]["cv-dev"]["utterances"][1:]
+    record["outputs"]["hypotheses"]["cv-dev"] = sha256(hypotheses_content(utterances)).hexdigest()
+    run_dir = write_run(tmp_path / "run", finalize(record))
+    write_hypotheses(run_dir / HYPOTHESES_DIR, {"cv-dev": {"utterances": utterances}})
+    missing = HYPOTHESES[0]["cv-dev"]["utterances"][0]["utt_id"]
+    with pytest.raises(UserError, match=f"1 of the eval set's .* no hypothesis .*{missing}"):
+        accept(run_dir, tmp_path / "results", registry, data)
+
+
+def test_eval_data_other_than_the_runs_are_refused(tmp_path, registry, data, dp_record):
+    record = copy.deepcopy(dp_record)
+    record["data"]["digests"]["cv-dev"] = "f" * 64  # the run evaluated other data
+    with pytest.raises(UserError, match="eval set 'cv-dev' here .* is not the data the run"):
+        accept(write_run(tmp_path / "run", finalize(record)), tmp_path / "results", registry, data)
+
+
 def test_dp_budget_without_claim(tmp_path, registry, dp_record):
     record = finalize({**copy.deepcopy(dp_record), "privacy": None})
     refused(tmp_path, registry, record, "needs a DP privacy claim")
 
 
-def test_duplicates(tmp_path, registry, dp_record):
-    submit(write_run(tmp_path / "run", dp_record), tmp_path / "results", registry)
+def test_duplicates(tmp_path, registry, data, dp_record):
+    accept(write_run(tmp_path / "run", dp_record), tmp_path / "results", registry, data)
     with pytest.raises(UserError, match="duplicate"):
         submit(tmp_path / "run", tmp_path / "results", registry)
     rerun = finalize({**copy.deepcopy(dp_record), "created": "2026-04-01T00:00:00+00:00"})
@@ -243,7 +376,8 @@ def test_malformed_json(tmp_path, registry):
 
 def test_nan_is_refused(tmp_path, registry, dp_record):
     run_dir = write_run(tmp_path / "run", dp_record)
-    text = (run_dir / "record.json").read_text().replace('"wer": 0.35', '"wer": NaN')
+    wer = json.dumps(dp_record["metrics"]["final"]["cv-test"]["wer"])
+    text = (run_dir / "record.json").read_text().replace(f'"wer": {wer}', '"wer": NaN')
     (run_dir / "record.json").write_text(text)
     with pytest.raises(UserError, match="NaN"):
         submit(run_dir, tmp_path / "results", registry)
@@ -300,29 +434,38 @@ def test_reference_rows_cannot_be_submitted(tmp_path, registry):
         submit(run_dir, tmp_path / "results", registry)
 
 
-def test_cli_submit_then_validate(tmp_path, dp_record):
+def test_cli_submit_then_validate(tmp_path, dp_record, data, monkeypatch):
     from typer.testing import CliRunner
 
     from pflbench.cli import app
 
+    monkeypatch.setenv("PFLBENCH_CACHE", str(data.cache_dir))
     run_dir = write_run(tmp_path / "run", dp_record)
     results = tmp_path / "results"
     common = ["--results", str(results), "--specs", str(SPECS)]
-    result = CliRunner().invoke(app, ["submit", str(run_dir), *common, "--json"])
+    submit_args = ["submit", str(run_dir), *common, "--data-root", str(data.data_root), "--json"]
+    result = CliRunner().invoke(app, submit_args)
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["record_id"] == dp_record["record_id"]
     result = CliRunner().invoke(app, ["results", "validate", *common])
     assert result.exit_code == 0 and "1 records valid (0 stale)" in result.output
     # a record edited inside results/ is caught by validate
     stored = next(results.rglob("*.json"))
-    stored.write_text(stored.read_text().replace('"wer": 0.35', '"wer": 0.05'))
+    wer = json.dumps(dp_record["metrics"]["final"]["cv-test"]["wer"])
+    stored.write_text(stored.read_text().replace(f'"wer": {wer}', '"wer": 0.05'))
     result = CliRunner().invoke(app, ["results", "validate", *common])
     assert result.exit_code != 0 and "does not match its content" in str(result.exception)
 
 
-def test_a_real_run_directory_is_accepted(tmp_path):
-    """A run folder written by `pflbench run` (synth task, 2 central steps, no checkpoints)."""
+def test_a_run_from_before_hypotheses_were_stored_validates_but_cannot_be_submitted(tmp_path):
+    """A run folder written by `pflbench run` before runs kept their hypotheses (synth task, 2
+    central steps, no checkpoints): its record is valid (as filed ones are), but its WER cannot
+    be re-scored, so submit refuses it before preparing any data."""
     run_dir = Path(__file__).parent / "fixtures" / "results" / "run-synth"
-    accepted = submit(run_dir, tmp_path / "results", load_registry(), stale_ok=True)
-    assert accepted.path.parent == tmp_path / "results" / "synth-cv-en-ls-seed" / "eps7.2-high-pop"
-    assert accepted.record.privacy.extrapolated.epsilon["rdp"].epsilon <= 7.2
+    record, raw = load_record(run_dir / "record.json")
+    validate_record(record, raw, load_registry(), "record.json", stale_ok=True)
+    assert record.outputs is None
+    assert record.privacy.extrapolated.epsilon["rdp"].epsilon <= 7.2
+    with pytest.raises(UserError, match="names no stored hypotheses .* run it again"):
+        submit(run_dir, tmp_path / "results", load_registry(), stale_ok=True)
+    assert not (tmp_path / "results").exists()

@@ -327,8 +327,8 @@ def test_cli_help_lists_every_group():
     out = _cli("--help", env={"COLUMNS": "200"})
     assert out.exit_code == 0
     for group in (
-        "run tasks baselines budgets privacy data seed eval sweep submit leaderboard results "
-        "plot bench"
+        "run tasks baselines budgets privacy data seed eval verify sweep submit leaderboard "
+        "results plot bench"
     ).split():
         assert f" {group} " in out.stdout, group
 

@@ -7,8 +7,9 @@ Reported per eval set:
   how unevenly the errors fall on speakers;
 - per speaker: (word errors, reference words), the counts a speaker-level bootstrap resamples
   (pflbench.results.stats);
-- per utterance: id, speaker, word errors / reference words, char errors / chars (the runner writes
-  them to the run directory, errors/<eval set>.jsonl).
+- per utterance: id, speaker, hypothesis, word errors / reference words, char errors / chars (the
+  runner writes the counts to the run directory, errors/<eval set>.jsonl, and the hypotheses to
+  hypotheses/<eval set>.jsonl.gz, from which `pflbench submit` re-scores the run).
 
 Empty texts are handled: an empty hypothesis counts every reference word as a deletion; an empty
 reference counts every hypothesis word as an insertion. A speaker whose references are all empty
@@ -101,6 +102,7 @@ def score(transcripts: Sequence[Transcript]) -> dict:
             {
                 "utt_id": t.utt_id,
                 "speaker": t.speaker,
+                "hypothesis": t.hypothesis,
                 "word_errors": we,
                 "words": wn,
                 "char_errors": ce,
@@ -182,12 +184,12 @@ def evaluate_task(
     stores = {e.name: data.eval_sets[e.name] for e in chosen}
     results = evaluate_sets(model, stores, data.tokenizer, device=device)
     return {
-        e.name: {
-            "role": e.role,
-            **results[e.name],
-            "groups": group_counts(
-                results[e.name]["speaker_counts"], data.eval_groups.get(e.name, {})
-            ),
-        }
+        e.name: with_groups(e.role, results[e.name], data.eval_groups.get(e.name, {}))
         for e in chosen
     }
+
+
+def with_groups(role: str, result: dict, groups: dict[str, dict[str, str]]) -> dict:
+    """One eval set's `score` with its role and per-group counts: what a run records of it (and
+    what re-scoring its stored hypotheses must give again)."""
+    return {"role": role, **result, "groups": group_counts(result["speaker_counts"], groups)}

@@ -7,19 +7,26 @@
         checkpoints/    step-XXXXXXX.safetensors (+ .json): model, server state, step, metrics
                         final.safetensors (+ .json): the final model (loadable by load_model)
         errors/         <eval set>.jsonl: per-utterance word/char errors of the final evaluation
+        hypotheses/     <eval set>.jsonl.gz: each utterance's id and hypothesis in the final
+                        evaluation (their sha256 is in the record: `pflbench submit` re-scores them)
         record.json     the result record (pflbench.results.schema.ResultRecord)
         DONE            written last
+        verification.json   written by `pflbench verify` when the final checkpoint, evaluated
+                        again, gives the record's numbers (results/verify.py)
 
 Every file is written atomically, so a run killed at any moment leaves complete files only.
 """
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import json
+import zlib
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pflbench.checkpoint import atomic_write_text
+from pflbench.checkpoint import atomic_write, atomic_write_text
 from pflbench.errors import UserError
 from pflbench.results.schema import safe_name
 from pflbench.spec.models import RunConfig
@@ -79,11 +86,85 @@ def prune_checkpoints(run_dir: Path, keep: Path) -> None:
             old.unlink(missing_ok=True)
 
 
+ERROR_KEYS = ("utt_id", "speaker", "word_errors", "words", "char_errors", "chars")
+
+
 def write_utterance_errors(run_dir: Path, results: dict) -> None:
     """errors/<eval set>.jsonl: one line per utterance of the final evaluation (utt_id, speaker,
     word_errors, words, char_errors, chars), for error analysis beyond the record's counts."""
     folder = run_dir / "errors"
     folder.mkdir(exist_ok=True)
     for name, r in results.items():
-        lines = [json.dumps(u, sort_keys=True) + "\n" for u in r["utterances"]]
+        lines = [
+            json.dumps({k: u[k] for k in ERROR_KEYS}, sort_keys=True) + "\n"
+            for u in r["utterances"]
+        ]
         atomic_write_text(folder / f"{safe_name(name, 'eval set')}.jsonl", "".join(lines))
+
+
+# ----------------------------------------------------------------------------------------------
+# Hypotheses: what the final model transcribed, kept so that the record's WER/CER can be computed
+# again from the data's references (results/rescore.py). The same files are filed in results/.
+
+HYPOTHESES_DIR = "hypotheses"
+MAX_HYPOTHESES_BYTES = 256 * 1024 * 1024  # uncompressed; a 16k-utterance eval set is ~2 MB
+
+
+def hypotheses_file(folder: Path, eval_set: str) -> Path:
+    return Path(folder) / f"{safe_name(eval_set, 'eval set')}.jsonl.gz"
+
+
+def hypotheses_content(utterances: list[dict]) -> bytes:
+    """A hypotheses file's content: one line per utterance of an evaluation (evaluate.score's
+    "utterances"), {"hypothesis", "utt_id"}, sorted by utt_id."""
+    pairs = sorted((u["utt_id"], u["hypothesis"]) for u in utterances)
+    lines = [json.dumps({"hypothesis": h, "utt_id": u}, sort_keys=True) for u, h in pairs]
+    return "".join(line + "\n" for line in lines).encode()
+
+
+def write_hypotheses(folder: Path, results: dict) -> dict[str, str]:
+    """<eval set>.jsonl.gz per eval set of `results` (evaluate_task's); returns the sha256 of each
+    file's uncompressed content, which the record names (gzip's bytes depend on zlib)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    digests = {}
+    for name, r in results.items():
+        content = hypotheses_content(r["utterances"])
+        packed = gzip.compress(content, mtime=0)
+        atomic_write(hypotheses_file(folder, name), lambda tmp, b=packed: tmp.write_bytes(b))
+        digests[name] = hashlib.sha256(content).hexdigest()
+    return digests
+
+
+def read_hypotheses(path: Path) -> tuple[dict[str, str], str]:
+    """(utt_id -> hypothesis, sha256 of the uncompressed content) of a hypotheses file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"{path}: no such file (the run's hypotheses of this eval set)")
+    try:
+        with gzip.open(path, "rb") as handle:
+            content = handle.read(MAX_HYPOTHESES_BYTES + 1)
+    except (OSError, EOFError, zlib.error) as exc:
+        raise UserError(f"{path}: not a readable gzip file ({exc})") from None
+    if len(content) > MAX_HYPOTHESES_BYTES:
+        raise UserError(f"{path}: over {MAX_HYPOTHESES_BYTES} bytes uncompressed")
+    try:
+        text = content.decode()
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not UTF-8 text ({exc})") from None
+    hypotheses: dict[str, str] = {}
+    for number, line in enumerate(text.splitlines(), start=1):
+        try:
+            item = json.loads(line)
+        except ValueError:
+            item = None
+        if not (
+            isinstance(item, dict)
+            and set(item) == {"hypothesis", "utt_id"}
+            and all(isinstance(v, str) for v in item.values())
+        ):
+            raise UserError(f'{path}: line {number} is not {{"hypothesis": str, "utt_id": str}}')
+        if item["utt_id"] in hypotheses:
+            raise UserError(f"{path}: line {number} repeats utterance {item['utt_id']!r}")
+        hypotheses[item["utt_id"]] = item["hypothesis"]
+    return hypotheses, hashlib.sha256(content).hexdigest()

@@ -2,7 +2,7 @@
 
     data, seed model  = prepared once per cache (rank 0 first)
     outcome           = TRAININGS[recipe.training](...)   # federated | central | seed-only
-    final evaluation  → checkpoints/final, errors/, record.json, DONE
+    final evaluation  → checkpoints/final, errors/, hypotheses/, record.json, DONE
 
 The federated training is Algorithm 1 (fl.simulator) one central step at a time, with a
 checkpoint every few steps. Because every random choice is keyed by (seed, step, user), resuming
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from pflbench.central import set_cpu_threads
-from pflbench.checkpoint import load_checkpoint, save_checkpoint, save_model
+from pflbench.checkpoint import load_checkpoint, save_checkpoint, save_model, tensors_digest
 from pflbench.errors import UserError
 from pflbench.evaluate import evaluate_task
 from pflbench.fl.distributed import DistContext, barrier, init_from_env, shutdown
@@ -37,13 +37,16 @@ from pflbench.results.record import (
     seed_model_summary,
     write_record,
 )
+from pflbench.results.schema import Outputs
 from pflbench.rundir import (
+    HYPOTHESES_DIR,
     default_run_dir,
     is_done,
     latest_checkpoint,
     mark_done,
     prepare_run_dir,
     prune_checkpoints,
+    write_hypotheses,
     write_utterance_errors,
 )
 from pflbench.seeds import keyed_seed
@@ -344,14 +347,19 @@ TRAININGS: dict[str, Callable[[Prepared], Outcome | None]] = {
 
 
 def _finish(p: Prepared, outcome: Outcome, wall_seconds: float) -> None:
-    """The final model, per-utterance errors, the record, and DONE last."""
+    """The final model, per-utterance errors and hypotheses, the record, and DONE last."""
     meta = {
         **outcome.meta,
         "config_hash": config_hash(p.config),
         "seed_checkpoint": str(p.seed_path) if p.seed_path else None,
     }
-    save_model(p.run_dir / "checkpoints" / "final.safetensors", outcome.model, meta)
+    final_path = p.run_dir / "checkpoints" / "final.safetensors"
+    save_model(final_path, outcome.model, meta)
     write_utterance_errors(p.run_dir, outcome.final)
+    outputs = Outputs(
+        final_model=tensors_digest(final_path),
+        hypotheses=write_hypotheses(p.run_dir / HYPOTHESES_DIR, outcome.final),
+    )
     steps = [x for x in outcome.lines if "loss" in x]
     compute = compute_info(
         steps, p.ctx.world_size, p.device, outcome.model, outcome.parallel_clients, wall_seconds
@@ -364,6 +372,7 @@ def _finish(p: Prepared, outcome: Outcome, wall_seconds: float) -> None:
         privacy=outcome.privacy,
         compute=compute,
         data=data_info(p.data, p.seed_path),
+        outputs=outputs,
     )
     write_record(p.run_dir / "record.json", record)
     mark_done(p.run_dir)

@@ -127,3 +127,39 @@ def register(app: typer.Typer) -> None:
             print_json({"task": task, "checkpoint": str(checkpoint), "eval": results})
             return
         console.print(results_table(f"{checkpoint} on {task}", results))
+
+    @app.command("verify")
+    def verify(
+        run_dir: Path = typer.Argument(..., help="A finished run folder (with DONE)."),
+        device: str = DeviceOption,
+        data_root: Path = DataRootOption,
+        cache_dir: Path = CacheOption,
+        as_json: bool = JsonOption,
+    ) -> None:
+        """Re-evaluate a finished run's final checkpoint and compare with its record.
+
+        The checkpoint must be the one the record names (digest of its tensors). On
+        the run's setup (same torch version, device and device name; a CPU re-evaluation uses
+        the record's thread count) every figure and every hypothesis must be identical; on
+        another setup, per eval set, the number of utterances must be equal and pooled WER and
+        CER within 0.01 (1 point, absolute). Exit 2 on any difference; on success writes
+        RUN_DIR/verification.json, which `pflbench submit` files with the record."""
+        from pflbench.results.rescore import DataOptions
+        from pflbench.results.verify import TOLERANCE, VERIFICATION_FILE, verify_run
+
+        device = check_device(device)
+        data = DataOptions(data_root=data_root, cache_dir=cache_dir, progress=not as_json)
+        stamp = verify_run(run_dir, device, data)
+        if as_json:
+            print_json(stamp.model_dump(mode="json"))
+            return
+        how = (
+            "identical to the record (same setup: every figure and hypothesis)"
+            if stamp.exact
+            else f"within {TOLERANCE} of the record's WER/CER (another setup)"
+        )
+        console.print(f"verified {stamp.record_id}: the final checkpoint re-evaluated is {how}")
+        for name, figures in sorted(stamp.eval.items()):
+            cer = "–" if figures.cer is None else f"{100 * figures.cer:.2f}"
+            console.print(f"  {name}: WER {100 * figures.wer:.2f} %, CER {cer} %", highlight=False)
+        console.print(f"wrote {run_dir / VERIFICATION_FILE}", highlight=False)

@@ -17,6 +17,12 @@ from pflbench.cli.common import (
 from pflbench.errors import UserError
 
 ResultsOption = typer.Option(Path("results"), "--results", help="The results folder.")
+DataRootOption = typer.Option(
+    None,
+    "--data-root",
+    help="Folder with the real corpora, for the eval sets' references (also PFLBENCH_DATA); "
+    "synth-* tasks synthesize theirs into the cache.",
+)
 LEADERBOARD_FILE = Path("leaderboard.md")
 
 
@@ -74,25 +80,34 @@ def register(app: typer.Typer) -> None:
         stale: bool = typer.Option(
             False, "--stale", help="Accept a run of an older task version; it is shown as stale."
         ),
+        data_root: Path = DataRootOption,
         specs: list[Path] = SpecsOption,
         as_json: bool = JsonOption,
     ) -> None:
-        """Validate a finished run's record and file it under results/<task>/<budget>/."""
+        """Validate a finished run's record and file it under results/<task>/<budget>/.
+
+        ε is recomputed by the accountants, and every WER/CER figure is re-scored from the run's
+        stored hypotheses against the eval sets' own references."""
+        from pflbench.results.rescore import DataOptions
         from pflbench.results.submit import submit as submit_run
 
-        accepted = submit_run(run_dir, results, _registry(specs), stale_ok=stale)
+        data = DataOptions(data_root=data_root, progress=not as_json)
+        accepted = submit_run(run_dir, results, _registry(specs), stale_ok=stale, data=data)
         if as_json:
             print_json(
                 {
                     "record_id": accepted.record.record_id,
                     "path": str(accepted.path),
                     "stale": accepted.stale,
+                    "reevaluated": accepted.reevaluated,
                 }
             )
             return
         note = " [yellow](stale: older task version)[/]" if accepted.stale else ""
+        checked = "re-evaluated" if accepted.reevaluated else "re-scored"
         console.print(
-            f"accepted {accepted.record.record_id} → {accepted.path}{note}", highlight=False
+            f"accepted {accepted.record.record_id} ({checked}) → {accepted.path}{note}",
+            highlight=False,
         )
         console.print("run `pflbench leaderboard` to update leaderboard.md")
 
@@ -108,17 +123,20 @@ def register(app: typer.Typer) -> None:
         """Regenerate leaderboard.md from results/ (byte-identical for the same records)."""
         from pflbench.results.leaderboard import (
             leaderboard_is_current,
-            load_results,
+            load_result_files,
+            reevaluated_ids,
             render_leaderboard,
         )
 
         registry = _registry(specs)
-        records = load_results(results)
+        files = load_result_files(results)
+        records = [record for _, record, _ in files]
         text = render_leaderboard(
             records,
             {name: loaded.spec.version for name, loaded in registry.tasks.items()},
             {name: loaded.spec for name, loaded in registry.budgets.items()},
             _validity_sections(records, registry),
+            reevaluated_ids(files),
         )
         if check:
             if not leaderboard_is_current(output, text):
@@ -254,6 +272,41 @@ def register(app: typer.Typer) -> None:
             if record.kind == "run":
                 stale += validate_record(record, raw, registry, str(path), stale_ok=True)
         console.print(f"{len(found)} records valid ({stale} stale)", highlight=False)
+
+    @group.command("rescore")
+    def rescore(
+        paths: list[Path] = typer.Argument(
+            None, help="Filed records (results/<task>/<budget>/<id>.json); default: all."
+        ),
+        results: Path = ResultsOption,
+        data_root: Path = DataRootOption,
+    ) -> None:
+        """Re-score filed records from their hypotheses and check their stamps (CI runs this).
+
+        Every WER/CER figure is computed again from the filed hypotheses against the eval sets'
+        own references; records filed before runs stored hypotheses are counted, not re-scored."""
+        from pflbench.results.leaderboard import check_filed_where_it_belongs, load_result_files
+        from pflbench.results.rescore import DataOptions
+        from pflbench.results.schema import load_record
+        from pflbench.results.verify import recheck_filed
+
+        if paths:
+            root = results.resolve()
+            files = []
+            for path in paths:
+                record, raw = load_record(path)
+                if root not in path.resolve().parents:
+                    raise UserError(f"{path}: not a record filed under {results}")
+                check_filed_where_it_belongs(record, path.resolve().relative_to(root), path)
+                files.append((path, record, raw))
+        else:
+            files = load_result_files(results)
+        report = recheck_filed(files, DataOptions(data_root=data_root, progress=True))
+        console.print(
+            f"{len(report.rescored)} records re-scored, {len(report.not_rescored)} not re-scored "
+            f"(filed before runs stored hypotheses), {report.references} reference rows",
+            highlight=False,
+        )
 
     @group.command("schema")
     def schema(

@@ -7,7 +7,7 @@ import json
 import os
 from collections import Counter
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -189,10 +189,10 @@ def prepare_split(
     return store
 
 
-def prepare_task(
-    task: Task, data_root: Path | None = None, cache_dir: Path | None = None, progress: bool = True
-) -> TaskData:
-    """Builds (or reuses) the feature store of every split the task uses."""
+@contextmanager
+def _preparing(task: Task, data_root: Path | None, cache_dir: Path | None, progress: bool):
+    """(corpora root, cache dir, progress bars or None), under the cache's lock: the corpora of a
+    synth-* task are synthesized on first use."""
     cache_dir = Path(cache_dir or cache_dir_default())
     bars = _progress() if progress else None
     with exclusive(cache_dir / "prepare.lock"), bars or nullcontext():
@@ -204,7 +204,14 @@ def prepare_task(
         ):
             synth_bar = bars.add_task("synthesizing corpora", total=None)
             on_unit = lambda done, total: bars.update(synth_bar, completed=done, total=total)  # noqa: E731
-        root = data_root_for(task, data_root, cache_dir, on_unit=on_unit)
+        yield data_root_for(task, data_root, cache_dir, on_unit=on_unit), cache_dir, bars
+
+
+def prepare_task(
+    task: Task, data_root: Path | None = None, cache_dir: Path | None = None, progress: bool = True
+) -> TaskData:
+    """Builds (or reuses) the feature store of every split the task uses."""
+    with _preparing(task, data_root, cache_dir, progress) as (root, cache_dir, bars):
         language = task.language
         sources = {"seed": task.seed_data, "federated": task.federated_data}
         stores: dict[str, FeatureStore] = {}
@@ -223,21 +230,45 @@ def prepare_task(
             stores[name] = prepare_split(
                 name, label, entries, info, skips, language, cache_dir, bars
             )
-        eval_groups = {}
-        for ev in task.eval_sets:
-            name = f"eval:{ev.name}"
-            stores[name], eval_groups[ev.name], notes[name] = prepare_eval(
-                ev, root, language, cache_dir, bars
-            )
+        evals = _prepare_evals(task, root, cache_dir, bars)
+    stores.update({f"eval:{name}": store for name, store in evals.eval_sets.items()})
+    notes.update({f"eval:{name}": note for name, note in evals.notes.items()})
     report = {name: {**store.stats(), **notes[name]} for name, store in stores.items()}
     return TaskData(
-        tokenizer=tokenizer_for(language),
+        tokenizer=evals.tokenizer,
         seed_train=stores.get("seed"),
         federated_train=stores["federated"],
-        eval_sets={ev.name: stores[f"eval:{ev.name}"] for ev in task.eval_sets},
+        eval_sets=evals.eval_sets,
         report=report,
-        eval_groups=eval_groups,
+        eval_groups=evals.eval_groups,
     )
+
+
+@dataclass
+class EvalData:
+    """A task's eval sets alone: what re-scoring or re-evaluating a finished run needs."""
+
+    tokenizer: Tokenizer
+    eval_sets: dict[str, FeatureStore]
+    eval_groups: dict[str, dict[str, dict[str, str]]]
+    notes: dict[str, dict]  # per eval set: where it was read from, why it has no groups
+
+
+def prepare_eval_data(
+    task: Task, data_root: Path | None = None, cache_dir: Path | None = None, progress: bool = True
+) -> EvalData:
+    """Builds (or reuses) the feature stores of the task's eval sets only."""
+    with _preparing(task, data_root, cache_dir, progress) as (root, cache_dir, bars):
+        return _prepare_evals(task, root, cache_dir, bars)
+
+
+def _prepare_evals(task: Task, root: Path, cache_dir: Path, bars) -> EvalData:
+    stores, groups, notes = {}, {}, {}
+    for ev in task.eval_sets:
+        stores[ev.name], groups[ev.name], notes[ev.name] = prepare_eval(
+            ev, root, task.language, cache_dir, bars
+        )
+    return EvalData(tokenizer_for(task.language), stores, groups, notes)
 
 
 def prepare_eval(

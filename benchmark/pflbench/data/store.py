@@ -253,6 +253,13 @@ class FeatureStore:
         for user in self._users:
             yield from self.load_user(user)
 
+    def references(self) -> Iterator[tuple[str, str, str]]:
+        """(utt_id, user_id, normalized text) of every utterance, without reading features."""
+        for shard, offset, count, _ in self._users.values():
+            rows = self._table(shard).slice(offset, count)
+            columns = [rows.column(c).to_pylist() for c in ("utt_id", "user_id", "text")]
+            yield from zip(*columns, strict=True)
+
     def __len__(self) -> int:
         return self._len
 

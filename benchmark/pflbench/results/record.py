@@ -23,6 +23,7 @@ from pflbench.results.schema import (
     EvalResult,
     HistoryPoint,
     Metrics,
+    Outputs,
     PrivacyClaim,
     ResultRecord,
     Software,
@@ -86,9 +87,11 @@ def build_record(
     privacy: dict,
     compute: Compute,
     data: DataInfo,
+    outputs: Outputs,
 ) -> ResultRecord:
     """The record of a finished run. `lines`: its metrics.jsonl lines (central steps and evals);
-    `final`: the final evaluate_task results; `seed_summary`: the seed model's eval_summary."""
+    `final`: the final evaluate_task results; `seed_summary`: the seed model's eval_summary;
+    `outputs`: the digests of its final checkpoint and stored hypotheses."""
     steps = [x for x in lines if "loss" in x]
     fractions = [x["diagnostics"]["clipped_fraction"] for x in steps]
     fractions = [f for f in fractions if f is not None]
@@ -123,6 +126,7 @@ def build_record(
             nonfinite_updates=sum(x["nonfinite_updates"] for x in steps),
             clipped_fraction_mean=sum(fractions) / len(fractions) if fractions else None,
         ),
+        outputs=outputs,
     )
     content = record.model_dump(mode="json", exclude={"record_id"}, exclude_unset=True)
     return record.model_copy(update={"record_id": compute_record_id(content)})
@@ -159,9 +163,7 @@ def compute_info(
     return Compute(
         wall_seconds=wall,
         device="cuda" if cuda else "cpu",
-        device_name=torch.cuda.get_device_name(device)
-        if cuda
-        else platform.processor() or platform.machine(),
+        device_name=device_name(device),
         num_processes=world_size,
         intra_op_threads=None if cuda else torch.get_num_threads(),
         parallel_clients=parallel_clients,
@@ -178,6 +180,13 @@ def compute_info(
             "value": value,
         },
     )
+
+
+def device_name(device: str) -> str:
+    """The GPU's name, or the CPU's: a record's numbers are reproduced bit for bit on the same."""
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    return platform.processor() or platform.machine()
 
 
 def software_info() -> Software:

@@ -24,6 +24,7 @@ RECORD_SCHEMA_VERSION = 1
 MAX_RECORD_BYTES = 2 * 1024 * 1024  # a record is a few KiB; anything this large is not one
 NAME_PATTERN = r"^[a-z0-9][a-z0-9.\-]{0,99}$"  # task / baseline / budget names (as in the specs)
 RECORD_ID_PATTERN = r"^[0-9a-f]{16}$"
+SHA256_PATTERN = r"^[0-9a-f]{64}$"
 
 
 Count = Annotated[int, Field(ge=0)]
@@ -251,6 +252,20 @@ class DataInfo(Strict):
     )
 
 
+class Outputs(Strict):
+    """What the run produced that pflbench can check again (docs/RESULTS.md, "Verified rows")."""
+
+    final_model: str = Field(
+        pattern=SHA256_PATTERN,
+        description="tensors_digest of checkpoints/final.safetensors: `pflbench verify` "
+        "re-evaluates this very checkpoint.",
+    )
+    hypotheses: dict[str, Annotated[str, Field(pattern=SHA256_PATTERN)]] = Field(
+        description="Per eval set: sha256 of hypotheses/<eval set>.jsonl.gz uncompressed, the "
+        "final model's transcripts from which `pflbench submit` re-scores every WER/CER figure."
+    )
+
+
 class Diagnostics(Strict):
     """Computed from the raw client updates: not differentially private (as in metrics.jsonl)."""
 
@@ -279,6 +294,11 @@ class ResultRecord(Strict):
     software: Software | None = None
     data: DataInfo | None = None
     diagnostics: Diagnostics | None = None
+    outputs: Outputs | None = Field(
+        None,
+        description="Absent in records written before runs stored their hypotheses: such a "
+        "record is not re-scored (the leaderboard says so).",
+    )
 
     @model_validator(mode="after")
     def _kind_fields(self) -> ResultRecord:

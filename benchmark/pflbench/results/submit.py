@@ -1,8 +1,10 @@
 """`pflbench submit RUN_DIR`: check a finished run's record and file it under results/.
 
 Every check recomputes what can be recomputed (record id, config hash, ε by the pinned
-accountants) and refuses with a UserError that names the file and the reason. The ε held against
-the budget is the budget's accountant's; every other accountant's claim is verified too.
+accountants, every WER/CER figure from the run's stored hypotheses: rescore.py) and refuses with a
+UserError that names the file and the reason. The ε held against the budget is the budget's
+accountant's; every other accountant's claim is verified too. A run checked by `pflbench verify`
+has a stamp, checked against the record and filed with it.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ from __future__ import annotations
 import copy
 import json
 import math
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
@@ -26,6 +30,9 @@ from pflbench.spec.models import Budget, RunConfig
 from pflbench.spec.registry import Registry, format_validation_error
 from pflbench.spec.resolve import config_json_hash
 
+if TYPE_CHECKING:
+    from pflbench.results.rescore import DataOptions
+
 EPSILON_RTOL = 1e-3  # recomputed ε vs claimed ε; accountants are deterministic, this is float slack
 EXACT_RTOL = 1e-9  # z = σ_DP·S and q = S/K are products of the claim's own numbers
 
@@ -35,6 +42,7 @@ class Accepted:
     record: ResultRecord
     path: Path
     stale: bool
+    reevaluated: bool  # filed with `pflbench verify`'s stamp
 
 
 def record_path(results_root: Path, record: ResultRecord) -> Path:
@@ -283,8 +291,20 @@ def validate_record(
 
 
 def submit(
-    run_dir: Path, results_root: Path, registry: Registry, stale_ok: bool = False
+    run_dir: Path,
+    results_root: Path,
+    registry: Registry,
+    stale_ok: bool = False,
+    data: DataOptions | None = None,
 ) -> Accepted:
+    """Check a finished run and file its record, hypotheses and verification stamp (if any) at
+    results/<task>/<budget>/<record id>.json and <record id>/. `data`: where the eval sets'
+    references come from for re-scoring."""
+    from pflbench.results.leaderboard import VERIFICATION_FILE, filed_dir
+    from pflbench.results.rescore import DataOptions, rescore_run_dir
+    from pflbench.results.verify import check_stamp, load_stamp
+    from pflbench.rundir import HYPOTHESES_DIR, hypotheses_file
+
     run_dir = Path(run_dir)
     if not (run_dir / "DONE").is_file():
         raise UserError(
@@ -298,7 +318,19 @@ def submit(
     duplicate = find_duplicate(record, dest.parent)
     if duplicate is not None:
         raise UserError(f"{record_file}: a duplicate of {duplicate} (same record or same config)")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    # Only the record is stored; re-serialising keeps its id (the id is over canonical content).
+    task = check_config(record, raw, str(record_file)).task
+    rescore_run_dir(record, task, run_dir, data or DataOptions())
+    stamp_file = run_dir / VERIFICATION_FILE
+    if stamp_file.is_file():
+        check_stamp(load_stamp(stamp_file), record, str(stamp_file))
+    # What CI re-checks goes first, the record last: a filed record always has its hypotheses.
+    folder = filed_dir(dest)
+    (folder / HYPOTHESES_DIR).mkdir(parents=True, exist_ok=True)
+    for name in record.outputs.hypotheses:
+        source = hypotheses_file(run_dir / HYPOTHESES_DIR, name)
+        shutil.copyfile(source, hypotheses_file(folder / HYPOTHESES_DIR, name))
+    if stamp_file.is_file():
+        shutil.copyfile(stamp_file, folder / VERIFICATION_FILE)
+    # Re-serialising keeps the record's id (the id is over canonical content).
     dest.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-    return Accepted(record, dest, stale)
+    return Accepted(record, dest, stale, stamp_file.is_file())

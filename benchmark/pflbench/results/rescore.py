@@ -1,0 +1,162 @@
+"""Re-scoring: every WER/CER figure of a record computed again from the run's stored hypotheses
+and the eval sets' own references, with pflbench's normalizer (the references in the feature
+store) and scorer (evaluate.score) — a record's WER is recomputed, as its ε is, never trusted.
+
+A run stores hypotheses/<eval set>.jsonl.gz (utterance id and hypothesis; rundir.py) and its
+record names each file's sha256 (`outputs.hypotheses`). Re-scoring a record checks that
+- it evaluates exactly the task's eval sets, and names a hypotheses file for each;
+- each file's sha256 is the record's (so a changed file is caught);
+- the eval sets' data here are those the run evaluated (`data.digests`: the store's digest covers
+  the manifest, the normalizer and the tokenizer);
+- the hypotheses cover exactly the eval set's utterances;
+- every figure of `metrics.final[<eval set>]` (pooled WER and CER, the speaker summaries, the
+  per-speaker counts, the groups) and the history's final evaluation equal the fresh ones,
+  exactly: the same integer error counts give the same floats.
+
+`pflbench submit` re-scores before filing and files the hypotheses next to the record
+(results/<task>/<budget>/<record id>/hypotheses/, leaderboard.filed_dir); `pflbench results
+rescore` re-scores filed records (CI; verify.recheck_filed).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pflbench.data.prepare import EvalData, prepare_eval_data
+from pflbench.errors import UserError
+from pflbench.evaluate import Transcript, score, with_groups
+from pflbench.results.record import eval_summary
+from pflbench.results.schema import EvalResult, Outputs, ResultRecord
+from pflbench.rundir import HYPOTHESES_DIR, hypotheses_file, read_hypotheses
+from pflbench.spec.models import EvalSet, Task
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """Where a task's eval data come from, as for `pflbench run`: --data-root (real corpora) or
+    the cache (synthetic corpora, generated there on first use; feature stores)."""
+
+    data_root: Path | None = None
+    cache_dir: Path | None = None
+    progress: bool = False
+
+    def eval_data(self, task: Task) -> EvalData:
+        return prepare_eval_data(task, self.data_root, self.cache_dir, self.progress)
+
+
+# ----------------------------------------------------------------------------------------------
+# Comparing figures
+
+
+def differences(claimed: Any, fresh: Any, field: str) -> Iterator[tuple[str, Any, Any]]:
+    """(field, claimed, fresh) wherever two JSON values differ, in the claimed value's key order
+    (a record's EvalResult: wer before cer)."""
+    if isinstance(claimed, dict) and isinstance(fresh, dict):
+        for key in [*claimed, *(k for k in fresh if k not in claimed)]:
+            yield from differences(claimed.get(key), fresh.get(key), f"{field}.{key}")
+    elif claimed != fresh:
+        yield field, claimed, fresh
+
+
+def first_difference(claimed: Any, fresh: Any, field: str) -> tuple[str, Any, Any] | None:
+    return next(differences(claimed, fresh, field), None)
+
+
+# ----------------------------------------------------------------------------------------------
+# Re-scoring
+
+
+def check_eval_data(record: ResultRecord, data: EvalData, where: str) -> None:
+    """The eval sets here are the data the run evaluated (same manifest, normalizer, tokens)."""
+    digests = record.data.digests if record.data is not None else {}
+    for name, store in data.eval_sets.items():
+        if digests.get(name) != store.digest:
+            raise UserError(
+                f"{where}: eval set {name!r} here (data digest {store.digest}) is not the data the "
+                f"run evaluated (data.digests[{name!r}] = {digests.get(name)!r}): the corpus, its "
+                "version or pflbench's normalizer differ"
+            )
+
+
+def rescored(eval_set: EvalSet, data: EvalData, hypotheses: dict[str, str], where: str):
+    """The EvalResult the run must have recorded for `eval_set` if these were its hypotheses."""
+    refs = list(data.eval_sets[eval_set.name].references())
+    ids = {utt_id for utt_id, _, _ in refs}
+    missing = [utt_id for utt_id, _, _ in refs if utt_id not in hypotheses]
+    extra = sorted(set(hypotheses) - ids)
+    if missing:
+        raise UserError(
+            f"{where}: {len(missing)} of the eval set's {len(refs)} utterances have no hypothesis "
+            f"(e.g. {missing[0]!r})"
+        )
+    if extra:
+        raise UserError(
+            f"{where}: {len(extra)} hypotheses are for utterances that are not in eval set "
+            f"{eval_set.name!r} (e.g. {extra[0]!r})"
+        )
+    transcripts = [Transcript(u, speaker, text, hypotheses[u]) for u, speaker, text in refs]
+    groups = data.eval_groups.get(eval_set.name, {})
+    result = with_groups(eval_set.role, score(transcripts), groups)
+    return EvalResult.model_validate(eval_summary({eval_set.name: result})[eval_set.name])
+
+
+def require_outputs(record: ResultRecord, where: str) -> Outputs:
+    if record.outputs is None:
+        raise UserError(
+            f"{where}: the record names no stored hypotheses (no `outputs`): it was written by a "
+            "pflbench that did not keep them, so its WER cannot be re-scored; run it again"
+        )
+    return record.outputs
+
+
+def rescore_record(
+    record: ResultRecord, eval_sets: list[EvalSet], folder: Path, data: EvalData, where: str
+) -> None:
+    """Re-score a run record (`eval_sets`: its config's) from the hypotheses files in `folder`;
+    a UserError names the first figure that differs, with both values."""
+    outputs = require_outputs(record, where)
+    names = sorted(e.name for e in eval_sets)
+    for what, found in (
+        ("metrics.final", record.metrics.final),
+        ("outputs.hypotheses", outputs.hypotheses),
+    ):
+        if sorted(found) != names:
+            raise UserError(
+                f"{where}: {what} has eval sets {sorted(found)}, but the task evaluates {names}"
+            )
+    check_eval_data(record, data, where)
+    final_step = max((h.step for h in record.metrics.history), default=None)
+    for eval_set in eval_sets:
+        name = eval_set.name
+        path = hypotheses_file(folder, name)
+        hypotheses, digest = read_hypotheses(path)
+        if digest != outputs.hypotheses[name]:
+            raise UserError(
+                f"{path}: its content's sha256 is {digest}, but the record's "
+                f"outputs.hypotheses[{name!r}] is {outputs.hypotheses[name]}: the file was "
+                "changed after the run"
+            )
+        fresh = rescored(eval_set, data, hypotheses, str(path)).model_dump(mode="json")
+        claimed = {f"metrics.final.{name}": record.metrics.final[name].model_dump(mode="json")}
+        for i, point in enumerate(record.metrics.history):
+            if point.step == final_step and point.eval_set == name:  # the final evaluation
+                claimed[f"metrics.history[{i}]"] = {"wer": point.wer, "cer": point.cer}
+        for field, figures in claimed.items():
+            found = first_difference(figures, {k: fresh[k] for k in figures}, field)
+            if found is not None:
+                field, a, b = found
+                raise UserError(
+                    f"{where}: {field} is {a!r} in the record, but re-scoring the stored "
+                    f"hypotheses against the eval set's references gives {b!r}"
+                )
+
+
+def rescore_run_dir(record: ResultRecord, task: Task, run_dir: Path, data: DataOptions) -> None:
+    """Re-score the record of a run directory from its hypotheses/ (what `submit` does)."""
+    where = str(Path(run_dir) / "record.json")
+    require_outputs(record, where)  # before preparing any data
+    folder = Path(run_dir) / HYPOTHESES_DIR
+    rescore_record(record, task.eval_sets, folder, data.eval_data(task), where)

@@ -1,0 +1,274 @@
+"""`pflbench verify RUN_DIR`: evaluate a finished run's final checkpoint again and compare.
+
+Re-scoring (rescore.py) shows that the record's figures follow from the stored hypotheses;
+verifying shows that the hypotheses follow from the checkpoint. It checks that
+checkpoints/final.safetensors is the checkpoint the record names (`outputs.final_model`, a
+digest of its tensors), evaluates it on the task's eval sets with the runner's own evaluation,
+and compares with the record:
+
+- on the run's setup (same torch version, device and device name; on a CPU the record's
+  intra-op thread count is used), exactly: every figure of `metrics.final`, and the hypotheses
+  themselves (their sha256 is the record's);
+- on another setup, kernels round differently and a few hypotheses may change: per eval set the
+  same number of utterances, and pooled WER and CER within TOLERANCE (absolute; 0.01 = 1 point).
+
+On success it writes verification.json into the run directory, a stamp that `pflbench submit`
+checks against the record and files beside it; the leaderboard marks such rows "re-evaluated".
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+from pydantic import Field, ValidationError
+
+from pflbench import __version__
+from pflbench.central import set_cpu_threads
+from pflbench.checkpoint import atomic_write_text, load_model, tensors_digest
+from pflbench.data.prepare import EvalData
+from pflbench.errors import UserError
+from pflbench.evaluate import evaluate_task
+from pflbench.results.leaderboard import VERIFICATION_FILE, filed_dir
+from pflbench.results.record import device_name, eval_summary
+from pflbench.results.rescore import (
+    DataOptions,
+    check_eval_data,
+    first_difference,
+    require_outputs,
+    rescore_record,
+)
+from pflbench.results.schema import (
+    RECORD_ID_PATTERN,
+    SHA256_PATTERN,
+    EvalResult,
+    ResultRecord,
+    Strict,
+    load_record,
+    read_json_file,
+)
+from pflbench.results.submit import check_config
+from pflbench.rundir import HYPOTHESES_DIR, hypotheses_content, is_done
+from pflbench.spec.registry import format_validation_error
+from pflbench.spec.resolve import canonical_json
+
+TOLERANCE = 0.01  # |WER or CER re-evaluated − recorded| on another setup, absolute
+
+
+class Setup(Strict):
+    """What a re-evaluation must share with the run to reproduce its numbers bit for bit."""
+
+    torch_version: str
+    device: str
+    device_name: str | None
+    intra_op_threads: int | None  # CPU only
+
+
+class EvalFigures(Strict):
+    wer: float
+    cer: float | None
+    num_utterances: int | None
+
+
+class Verification(Strict):
+    """The stamp: which record and checkpoint, where, how compared, and what came out."""
+
+    record_id: str = Field(pattern=RECORD_ID_PATTERN)
+    final_model: str = Field(pattern=SHA256_PATTERN)
+    created: str
+    pflbench_version: str
+    setup: Setup
+    exact: bool  # the run's setup: compared exactly, else within TOLERANCE
+    eval: dict[str, EvalFigures]
+
+
+def run_setup(record: ResultRecord) -> Setup:
+    cpu = record.compute.device == "cpu"
+    return Setup(
+        torch_version=record.software.torch_version if record.software else "",
+        device=record.compute.device or "",
+        device_name=record.compute.device_name,
+        intra_op_threads=record.compute.intra_op_threads if cpu else None,
+    )
+
+
+def this_setup(device: str, threads: int) -> Setup:
+    cuda = device.startswith("cuda")
+    return Setup(
+        torch_version=torch.__version__,
+        device="cuda" if cuda else "cpu",
+        device_name=device_name(device),
+        intra_op_threads=None if cuda else threads,
+    )
+
+
+def within_tolerance(claimed: float | None, fresh: float | None) -> bool:
+    if claimed is None or fresh is None:
+        return claimed is fresh
+    return abs(claimed - fresh) <= TOLERANCE
+
+
+def check_figures(record: ResultRecord, figures: dict[str, EvalFigures], exact: bool, where: str):
+    """The re-evaluated figures against the record's: equal, or within TOLERANCE."""
+    if sorted(figures) != sorted(record.metrics.final):
+        raise UserError(
+            f"{where}: re-evaluated eval sets {sorted(figures)}, the record has "
+            f"{sorted(record.metrics.final)}"
+        )
+    for name, fresh in figures.items():
+        claimed = record.metrics.final[name]
+        for key in ("num_utterances", "wer", "cer"):
+            a, b = getattr(claimed, key), getattr(fresh, key)
+            ok = a == b if exact or key == "num_utterances" else within_tolerance(a, b)
+            if not ok:
+                how = "exactly (same setup)" if exact else f"within {TOLERANCE} (another setup)"
+                raise UserError(
+                    f"{where}: metrics.final.{name}.{key} is {a!r} in the record, but the final "
+                    f"checkpoint re-evaluated gives {b!r} (compared {how})"
+                )
+
+
+def verify_run(
+    run_dir: Path, device: str = "cpu", data: DataOptions = DataOptions()
+) -> Verification:
+    """Re-evaluate a finished run's final checkpoint (module docstring); writes the stamp."""
+    run_dir = Path(run_dir)
+    if not is_done(run_dir):
+        raise UserError(f"{run_dir}: not a finished run (no DONE marker)")
+    where = str(run_dir / "record.json")
+    record, raw = load_record(run_dir / "record.json")
+    if record.kind != "run":
+        raise UserError(f"{where}: only run records can be verified (kind is {record.kind!r})")
+    outputs = require_outputs(record, where)
+    config = check_config(record, raw, where)
+    final = run_dir / "checkpoints" / "final.safetensors"
+    if not final.is_file():
+        raise UserError(f"{final}: no such file (the run's final checkpoint)")
+    digest = tensors_digest(final)
+    if digest != outputs.final_model:
+        raise UserError(
+            f"{final}: its tensors' digest is {digest}, but the record's outputs.final_model is "
+            f"{outputs.final_model}: this is not the checkpoint the record was written from"
+        )
+    eval_data = data.eval_data(config.task)
+    check_eval_data(record, eval_data, where)
+    recorded = run_setup(record)
+    threads_before = torch.get_num_threads()
+    try:
+        if device == "cpu" and recorded.device == "cpu" and recorded.intra_op_threads:
+            torch.set_num_threads(recorded.intra_op_threads)  # kernels round as in the run
+        else:
+            set_cpu_threads()
+        here = this_setup(device, torch.get_num_threads())
+        model, _ = load_model(final, device)
+        results = evaluate_task(model, eval_data, config.task.eval_sets, {"dev", "test"}, device)
+    finally:
+        torch.set_num_threads(threads_before)
+    summary = {n: EvalResult.model_validate(r) for n, r in eval_summary(results).items()}
+    exact = here == recorded
+    figures = {
+        n: EvalFigures(wer=r.wer, cer=r.cer, num_utterances=r.num_utterances)
+        for n, r in summary.items()
+    }
+    check_figures(record, figures, exact, where)
+    if exact:  # every figure, and the transcripts themselves
+        for name, result in summary.items():
+            claimed = record.metrics.final[name].model_dump(mode="json")
+            found = first_difference(
+                claimed, result.model_dump(mode="json"), f"metrics.final.{name}"
+            )
+            if found is not None:
+                field, a, b = found
+                raise UserError(
+                    f"{where}: {field} is {a!r} in the record, but the final checkpoint "
+                    f"re-evaluated gives {b!r} (compared exactly: same setup)"
+                )
+            fresh = hashlib.sha256(hypotheses_content(results[name]["utterances"])).hexdigest()
+            if fresh != outputs.hypotheses[name]:
+                raise UserError(
+                    f"{where}: the final checkpoint re-evaluated transcribes {name!r} otherwise "
+                    f"than the stored hypotheses (sha256 {fresh}, the record's "
+                    f"outputs.hypotheses[{name!r}] is {outputs.hypotheses[name]})"
+                )
+    stamp = Verification(
+        record_id=record.record_id,
+        final_model=digest,
+        created=datetime.now(UTC).isoformat(),
+        pflbench_version=__version__,
+        setup=here,
+        exact=exact,
+        eval=figures,
+    )
+    text = json.dumps(stamp.model_dump(mode="json"), indent=2, sort_keys=True) + "\n"
+    atomic_write_text(run_dir / VERIFICATION_FILE, text)
+    return stamp
+
+
+# ----------------------------------------------------------------------------------------------
+# The stamp, at submit and once filed
+
+
+def load_stamp(path: Path) -> Verification:
+    try:
+        return Verification.model_validate(read_json_file(path))
+    except ValidationError as exc:
+        text = format_validation_error(str(path), exc)
+        raise UserError(text.replace("invalid spec", "invalid verification stamp")) from None
+
+
+def check_stamp(stamp: Verification, record: ResultRecord, where: str) -> None:
+    """A stamp belongs to the record, names its checkpoint, and its figures are the record's."""
+    outputs = require_outputs(record, where)
+    if stamp.record_id != record.record_id or stamp.final_model != outputs.final_model:
+        raise UserError(
+            f"{where}: it verifies record {stamp.record_id} (checkpoint {stamp.final_model}), "
+            f"not this record {record.record_id} (checkpoint {outputs.final_model}); run "
+            "`pflbench verify` again"
+        )
+    check_figures(record, stamp.eval, stamp.exact, where)
+
+
+def check_filed_stamp(record: ResultRecord, folder: Path, where: str) -> None:
+    """A filed record's verification stamp, where it has one, checked against it."""
+    path = Path(folder) / VERIFICATION_FILE
+    if path.is_file():
+        check_stamp(load_stamp(path), record, f"{path} (of {where})")
+
+
+# ----------------------------------------------------------------------------------------------
+# Filed records (CI: `pflbench results rescore`)
+
+
+@dataclass
+class RecheckReport:
+    rescored: list[Path]
+    not_rescored: list[Path]  # records from before runs stored hypotheses
+    references: int  # paper rows: nothing to re-score
+
+
+def recheck_filed(files: list[tuple[Path, ResultRecord, dict]], data: DataOptions) -> RecheckReport:
+    """Re-score filed records (`leaderboard.load_result_files`' triples) from their filed
+    hypotheses, and check each one's verification stamp where it has one; each task's eval data
+    are prepared once."""
+    report = RecheckReport([], [], 0)
+    prepared: dict[str, EvalData] = {}
+    for path, record, raw in files:
+        if record.kind != "run":
+            report.references += 1
+            continue
+        if record.outputs is None:
+            report.not_rescored.append(path)
+            continue
+        task = check_config(record, raw, str(path)).task
+        key = canonical_json(task.model_dump(mode="json"))
+        if key not in prepared:
+            prepared[key] = data.eval_data(task)
+        folder = filed_dir(path)
+        rescore_record(record, task.eval_sets, folder / HYPOTHESES_DIR, prepared[key], str(path))
+        check_filed_stamp(record, folder, str(path))
+        report.rescored.append(path)
+    return report
