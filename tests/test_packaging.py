@@ -1,4 +1,5 @@
-"""The built wheel ships tasks/, baselines/ and budgets, and a non-editable install finds them."""
+"""The built wheel ships tasks/, baselines/ and budgets, and a non-editable install finds them;
+constraints.txt pins what `make` installs."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,3 +77,30 @@ def test_non_editable_install_finds_specs(wheel, tmp_path):
     declared = yaml.safe_load((ROOT / "tasks" / "budgets.yaml").read_text())["budgets"]
     assert budgets == sorted(b["name"] for b in declared)
     assert n_baselines == len(list((ROOT / "baselines").glob("*.yaml")))
+
+
+def _pins() -> dict[str, str]:
+    """constraints.txt as {normalized name: pinned version}; every line must be `name==version`."""
+    pins = {}
+    for number, line in enumerate((ROOT / "constraints.txt").read_text().splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        name, sep, version = line.partition("==")
+        assert sep and version, f"constraints.txt:{number}: {line!r} does not pin (==) a version"
+        pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_constraints_pin_every_dependency():
+    """The lock pins (==) every package pyproject.toml names, runtime and extras (`make` installs
+    .[dev]), at a version its range admits; torch at its public version, not a local build."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = [Requirement(r) for r in project["dependencies"]]
+    declared += [Requirement(r) for rs in project["optional-dependencies"].values() for r in rs]
+    pins = _pins()
+    assert "pflbench" not in pins
+    for req in declared:
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} (pyproject.toml) is not pinned in constraints.txt"
+        assert req.specifier.contains(pins[name]), f"{req.name}=={pins[name]} is not {req}"
+    assert "+" not in pins["torch"]
