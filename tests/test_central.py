@@ -71,7 +71,7 @@ def tone_wave(text: str, rate: int = 16000) -> np.ndarray:
     return (0.3 * np.concatenate(chords)).astype(np.float32)
 
 
-def tone_store(folder: Path, texts: list[str] = TEXTS, digest: str = "tones") -> FeatureStore:
+def tone_store(folder: Path, texts: list[str] = TEXTS) -> FeatureStore:
     """A real feature store (log-mel features, Arrow shards) of tone 'speech', 3 speakers."""
     entries = [
         Entry(f"u{i}", f"spk{i % 3}", "train", str(i), text, text, "librispeech")
@@ -81,7 +81,7 @@ def tone_store(folder: Path, texts: list[str] = TEXTS, digest: str = "tones") ->
     def read_audio(key: str) -> tuple[np.ndarray, int]:
         return tone_wave(texts[int(key)]), 16000
 
-    return build_store(folder, entries, "en", digest, {}, read_audio=read_audio, workers=1)
+    return build_store(folder, entries, "en", {}, read_audio=read_audio, workers=1)
 
 
 RECIPE = CentralRecipe(optimizer="adam", lr=3e-3, steps=4, batch_seconds=0.6)
