@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -23,6 +24,7 @@ from pflbench.errors import UserError
 from pflbench.fl.distributed import DistContext
 from pflbench.fl.simulator import Simulator
 from pflbench.model.transformer import build_model
+from pflbench.numerics import NUMERIC_PACKAGES
 from pflbench.results.schema import load_record
 from pflbench.rundir import latest_checkpoint
 from pflbench.runner import RunOptions, run
@@ -83,7 +85,12 @@ def test_each_baseline_writes_a_valid_record(env, tmp_path, baseline):
     assert record.privacy.dp == (budget != "none")
     assert record.compute.central_steps == 3 and record.diagnostics.nonfinite_updates == 0
     assert re.fullmatch(r"[0-9a-f]{64}", record.data.digests["seed_model"])  # starting weights
+    assert set(record.data.audio_digests) == set(record.data.digests) - {"seed_model"}
     assert record.compute.intra_op_threads >= 1
+    # what else decides the numbers: package versions, the CPU and the kernels torch picked
+    assert set(NUMERIC_PACKAGES) | {"libsndfile", "libespeak-ng"} <= set(record.software.packages)
+    assert record.software.packages["numpy"] == np.__version__
+    assert record.compute.cpu.aten_capability == torch.backends.cpu.get_cpu_capability()
     expected_groups = {"cv-test": {"age", "gender", "accent"}, "ls-dev-clean": {"gender"}}
     for name, attributes in expected_groups.items():
         result = record.metrics.final[name]
