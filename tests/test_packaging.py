@@ -30,6 +30,8 @@ def wheel(tmp_path_factory) -> Path:
             shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
         elif path.exists():
             shutil.copy(path, src / name)
+    for suffix in (".safetensors", ".json"):  # a shipped seed model (central.SHIPPED_SEEDS)
+        (src / "tasks" / "seed-models" / f"probe-v1-0123456789abcdef{suffix}").write_text("{}")
     out = tmp_path_factory.mktemp("wheel")
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
     proc = subprocess.run([*cmd, "-w", str(out), str(src)], capture_output=True, text=True)
@@ -41,12 +43,16 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_contains_specs(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     prefix = "pflbench/specs/tasks/"
-    shipped_tasks = {n.removeprefix(prefix) for n in names if n.startswith(prefix)}
+    shipped_tasks = {
+        n.removeprefix(prefix) for n in names if n.startswith(prefix) and n.endswith(".yaml")
+    }
     tasks = {p.relative_to(ROOT / "tasks").as_posix() for p in (ROOT / "tasks").rglob("*.yaml")}
     assert any(t.startswith("templates/") for t in tasks)  # the templates task files include
     assert tasks == shipped_tasks
     shipped = {Path(n).name for n in names if n.startswith("pflbench/specs/baselines/")}
     assert {p.name for p in (ROOT / "baselines").glob("*.yaml")} == shipped
+    seeds = {Path(n).name for n in names if n.startswith(f"{prefix}seed-models/")}
+    assert {"probe-v1-0123456789abcdef.safetensors", "probe-v1-0123456789abcdef.json"} <= seeds
 
 
 def test_non_editable_install_finds_specs(wheel, tmp_path):

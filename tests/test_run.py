@@ -440,6 +440,33 @@ def test_per_utterance_errors_and_speaker_counts_feed_pflbench_compare(env, tmp_
     assert "neither a finished run directory" in str(refused.exception)
 
 
+def test_pflbench_seed_ships_its_model_and_runs_start_from_it(env, tmp_path, monkeypatch):
+    import pflbench.central as central
+
+    monkeypatch.setattr(central, "shipped_seed_dir", lambda: tmp_path / "seed-models")
+
+    def seed(*extra: str) -> str:
+        out = CliRunner().invoke(app, ["seed", "--task", TASK, "--specs", str(env), *extra])
+        assert out.exit_code == 0, out.output
+        return out.output
+
+    first = json.loads(seed("--json"))["shipped"]
+    assert first["matches"] is None and not Path(first["shipped"]).exists()
+    assert "no seed model is shipped" in seed()
+    assert "shipped as" in seed("--ship")
+    assert Path(first["shipped"]).is_file() and Path(first["shipped"]).parent.name == "seed-models"
+    again = json.loads(seed("--json"))["shipped"]
+    assert again["matches"] is True and again["shipped_digest"] == first["digest"]
+    assert "matches the seed model shipped" in seed()
+    run_dir = run(
+        _config(env, "seed-only"), out_dir=tmp_path / "run", options=RunOptions(progress=False)
+    )
+    record, _ = load_record(run_dir / "record.json")
+    assert record.data.digests["seed_model"] == first["digest"]
+    _, meta = load_checkpoint(run_dir / "checkpoints" / "final.safetensors")
+    assert Path(meta["seed_checkpoint"]).parent.name == f"shipped-{first['digest'][:16]}"
+
+
 def test_adaptive_clipping_moves_the_bound_by_the_released_fraction(env, tmp_path):
     config = _config(env, "adaptive-global", "eps7.2-high-pop")
     run_dir = run(config, out_dir=tmp_path / "run", options=RunOptions(progress=False))
