@@ -466,6 +466,24 @@ def test_pflbench_seed_ships_its_model_and_runs_start_from_it(env, tmp_path, mon
     _, meta = load_checkpoint(run_dir / "checkpoints" / "final.safetensors")
     assert Path(meta["seed_checkpoint"]).parent.name == f"shipped-{first['digest'][:16]}"
 
+    # A shipped sidecar naming other weights, trained on another CPU: `seed` says where they
+    # differ, and a run refuses to start from a file whose tensors are not the ones named.
+    sidecar = Path(first["shipped"]).with_suffix(".json")
+    shipped_meta = json.loads(sidecar.read_text())
+    shipped_meta["tensors_digest"] = "0" * 64
+    shipped_meta["numerics"]["cpu"]["model"] = "Another CPU"
+    sidecar.write_text(json.dumps(shipped_meta))
+    output = seed()
+    assert "DIFFERS from the seed model shipped" in output and "0" * 64 in output
+    assert "seed data: same digest, same audio digest" in output
+    assert "cpu.model: Another CPU / " in output
+    with pytest.raises(UserError, match="its tensors hash to"):
+        run(
+            _config(env, "seed-only"),
+            out_dir=tmp_path / "refused",
+            options=RunOptions(progress=False),
+        )
+
 
 def test_adaptive_clipping_moves_the_bound_by_the_released_fraction(env, tmp_path):
     config = _config(env, "adaptive-global", "eps7.2-high-pop")
