@@ -1,19 +1,20 @@
 # Two entry points: `make demo` (the embedded default run) and `make test` (the test suite).
-# Both create .venv on first use. torch is installed first and pinned so that this machine's local
-# CPU build is used (an unpinned torch pulls gigabytes of CUDA wheels).
+# Both create .venv on first use, installing the versions constraints.txt pins (the lock: two fresh
+# machines get the same stack, hence the same numbers). Its torch pin keeps pip from choosing a
+# version only a CUDA wheel satisfies; where a local CPU build of it is on pip's find-links, it is
+# the one used. `make lock` rewrites constraints.txt from the installed .venv.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-TORCH_VERSION ?= 2.13.0
+PIP := $(BIN)/python -m pip --disable-pip-version-check
 
-.PHONY: install demo test lint clean
+.PHONY: install demo test lint lock clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml setup.py
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check torch==$(TORCH_VERSION)
-	$(BIN)/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+	$(PIP) install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
 
 demo: install
@@ -25,6 +26,13 @@ test: install
 lint: install
 	$(BIN)/ruff check benchmark tests
 	$(BIN)/ruff format --check benchmark tests
+
+# Pins what .venv holds now (after an intended upgrade there), pflbench itself left out; a local
+# build's label (2.13.0+cpu) is dropped so that other builds of the same version satisfy the pin.
+lock: install
+	{ sed -n '1,3p' constraints.txt; $(PIP) freeze --exclude-editable | grep -v '^#' \
+	  | grep -iv '^pflbench' | sed 's/+[a-z0-9.]*$$//'; } > constraints.txt.new
+	mv constraints.txt.new constraints.txt
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info

@@ -3,22 +3,28 @@
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
+from safetensors.torch import save_file
 
 from pflbench.central import (
     LARS,
+    compare_with_shipped,
     epoch_batches,
     make_central_optimizer,
     seed_model,
+    ship_seed_model,
+    shipped_seed_path,
     step_decay_lr,
     train_central,
 )
-from pflbench.checkpoint import load_model
+from pflbench.checkpoint import load_model, tensors_digest
 from pflbench.data.batching import collate
 from pflbench.data.corpora import Entry
 from pflbench.data.prepare import TaskData
 from pflbench.data.store import FeatureStore, build_store
 from pflbench.data.text import tokenizer_for
+from pflbench.errors import UserError
 from pflbench.evaluate import evaluate
 from pflbench.model import build_model
 from pflbench.model.transformer import ctc_loss
@@ -71,7 +77,7 @@ def tone_wave(text: str, rate: int = 16000) -> np.ndarray:
     return (0.3 * np.concatenate(chords)).astype(np.float32)
 
 
-def tone_store(folder: Path, texts: list[str] = TEXTS, digest: str = "tones") -> FeatureStore:
+def tone_store(folder: Path, texts: list[str] = TEXTS) -> FeatureStore:
     """A real feature store (log-mel features, Arrow shards) of tone 'speech', 3 speakers."""
     entries = [
         Entry(f"u{i}", f"spk{i % 3}", "train", str(i), text, text, "librispeech")
@@ -81,7 +87,7 @@ def tone_store(folder: Path, texts: list[str] = TEXTS, digest: str = "tones") ->
     def read_audio(key: str) -> tuple[np.ndarray, int]:
         return tone_wave(texts[int(key)]), 16000
 
-    return build_store(folder, entries, "en", digest, {}, read_audio=read_audio, workers=1)
+    return build_store(folder, entries, "en", {}, read_audio=read_audio, workers=1)
 
 
 RECIPE = CentralRecipe(optimizer="adam", lr=3e-3, steps=4, batch_seconds=0.6)
@@ -146,7 +152,7 @@ def test_seed_training_sums_each_parameters_squared_gradient_norm_before_clippin
         assert abs(sums[name] - value) <= 1e-4 * value + 1e-12, name
 
 
-def _seeded_task(tmp_path):
+def _seeded_task(tmp_path, texts: list[str] = TEXTS):
     task = Task.model_validate(
         {
             "name": "t",
@@ -163,7 +169,7 @@ def _seeded_task(tmp_path):
     recipe = Recipe.model_validate({"model": {"preset": "tiny"}, "central": RECIPE.model_dump()})
     data = TaskData(
         tokenizer=tokenizer_for("en"),
-        seed_train=tone_store(tmp_path / "store"),
+        seed_train=tone_store(tmp_path / "store", texts),
         federated_train=None,
         eval_sets={},
         report={},
@@ -192,6 +198,42 @@ def test_seed_model_is_trained_once_then_reused(tmp_path):
     loaded, meta = load_model(path)
     assert meta["kind"] == "seed" and meta["training"]["steps"] == 4 and meta["seed"] == 1
     assert set(meta["training"]["layer_grad_sq_sums"]) == {n for n, _ in model.named_parameters()}
+
+
+def test_runs_start_from_the_shipped_seed_model_digest_checked(tmp_path):
+    """A seed model shipped for the spec is what seed_model returns wherever its local training
+    would differ (here: other seed data), copied into the cache once its digest is checked; a
+    damaged shipped file is refused; compare_with_shipped tells matching from differing."""
+    task, recipe, data = _seeded_task(tmp_path / "a")
+    vocab = data.tokenizer.vocab
+    shipped = shipped_seed_path(task, recipe, 1, vocab, tmp_path / "shipped")
+    trained, path = seed_model(
+        task, recipe, data, seed=1, device="cpu", cache_dir=tmp_path / "a", progress=False
+    )
+    assert compare_with_shipped(path, shipped)["matches"] is None  # nothing shipped yet
+    ship_seed_model(path, shipped)
+    assert compare_with_shipped(path, shipped)["matches"] is True
+
+    _, _, other_data = _seeded_task(tmp_path / "b", TEXTS[:6])  # other seed data elsewhere
+    cache = tmp_path / "b"
+    model, used = seed_model(task, recipe, other_data, seed=1, device="cpu", cache_dir=cache,
+                             progress=False, shipped_dir=shipped.parent)  # fmt: skip
+    assert used.is_relative_to(cache) and tensors_digest(used) == tensors_digest(shipped)
+    assert not list((cache / "seeds").glob(f"{task.name}-*"))  # nothing trained here
+    for (name, a), b in zip(trained.state_dict().items(), model.state_dict().values(), strict=True):
+        assert torch.equal(a, b), name
+    _, own = seed_model(
+        task, recipe, other_data, seed=1, device="cpu", cache_dir=cache, progress=False
+    )
+    check = compare_with_shipped(own, shipped)
+    assert check["matches"] is False and check["same_seed_data_digest"] is False
+
+    damaged = load_model(shipped)[0].state_dict()
+    damaged["head.bias"] = damaged["head.bias"] + 1
+    save_file(damaged, str(shipped))
+    with pytest.raises(UserError, match="hash to"):
+        seed_model(task, recipe, data, seed=1, device="cpu", cache_dir=tmp_path / "c",
+                   progress=False, shipped_dir=shipped.parent)  # fmt: skip
 
 
 def test_a_task_without_seed_data_gets_a_seeded_fresh_model(tmp_path):

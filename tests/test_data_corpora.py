@@ -139,6 +139,38 @@ def test_prepare_reuses_the_store(
     assert again.federated_train.digest == tiny_task_data.federated_train.digest
 
 
+def test_a_corpus_gets_the_same_stores_and_digests_wherever_it_lies(
+    tiny_task: Task, tiny_corpus_root: Path, tiny_task_data, tmp_path: Path
+) -> None:
+    """A copy of the corpus in another folder, read as a downloaded corpus with another cache:
+    the same store keys (folder names) and the same content digests as the original. Then one
+    dev clip of the copy changed: another store and other digests of that split only."""
+    copy = tmp_path / "elsewhere" / "corpora"
+    shutil.copytree(tiny_corpus_root, copy)
+    task = tiny_task.model_copy(update={"synthetic": None})
+    cache = tmp_path / "cache"
+    data = prepare_task(task, data_root=copy, cache_dir=cache, progress=False)
+
+    def stores(d) -> dict:
+        return {"seed": d.seed_train, "federated": d.federated_train, **d.eval_sets}
+
+    original = stores(tiny_task_data)
+    for name, store in stores(data).items():
+        assert store.path.name == original[name].path.name, name
+        assert store.digest == original[name].digest, name
+        assert store.audio_digest == original[name].audio_digest, name
+
+    dev_clips = [copy / CV / "clips" / row["path"] for row in read_tsv(copy / CV / "dev.tsv")]
+    other = next(c for c in dev_clips if c.stat().st_size != dev_clips[0].stat().st_size)
+    shutil.copy(other, dev_clips[0])  # a dev clip now holds another clip's audio
+    changed = stores(prepare_task(task, data_root=copy, cache_dir=cache, progress=False))
+    for name, store in stores(data).items():
+        same = name != "cv-dev"
+        assert (store.path == changed[name].path) == same, name
+        assert (store.digest == changed[name].digest) == same, name
+        assert (store.audio_digest == changed[name].audio_digest) == same, name
+
+
 def test_user_split_is_complementary_and_order_independent(tiny_corpus_root: Path) -> None:
     entries = commonvoice_manifest(
         tiny_corpus_root / CV / "train.tsv", "train", "en", Skips()
@@ -164,7 +196,7 @@ def test_store_resumes_after_an_interrupted_build(
     monkeypatch.setattr(store_module, "SHARD_UTTERANCES", 10)
     entries = commonvoice_manifest(tiny_corpus_root / CV / "dev.tsv", "dev", "en", Skips()).entries
     folder = tmp_path / "store"
-    full = build_store(folder, entries, "en", "d1", {}, workers=1)
+    full = build_store(folder, entries, "en", {}, workers=1)
     shards = sorted(folder.glob("shard-*.arrow"))
     assert len(shards) >= 2
     # Interrupt: index gone, last shard gone, a half-written temp file left behind.
@@ -172,7 +204,7 @@ def test_store_resumes_after_an_interrupted_build(
     shards[-1].unlink()
     (folder / f"{shards[-1].name}.tmp-123").write_bytes(b"partial")
     kept = shards[0].stat().st_mtime_ns
-    resumed = build_store(folder, entries, "en", "d1", {}, workers=1)
+    resumed = build_store(folder, entries, "en", {}, workers=1)
     assert shards[0].stat().st_mtime_ns == kept  # finished shards are not redone
     assert resumed.users() == full.users()
     a, b = list(full), list(resumed)
@@ -189,7 +221,7 @@ def test_building_a_store_in_process_keeps_the_callers_thread_count(
     before = torch.get_num_threads()
     torch.set_num_threads(before + 1)
     try:
-        build_store(tmp_path / "store", entries, "en", "d1", {}, workers=1)
+        build_store(tmp_path / "store", entries, "en", {}, workers=1)
         assert torch.get_num_threads() == before + 1
     finally:
         torch.set_num_threads(before)

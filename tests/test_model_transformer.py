@@ -130,3 +130,15 @@ def test_small_model_overfits_a_few_utterances_to_zero_wer():
         [Transcript(str(i), "spk", r, h) for i, (r, h) in enumerate(zip(texts, hyps, strict=True))]
     )
     assert result["wer"] == 0.0 and result["cer"] == 0.0, hyps
+
+
+def test_bench_model_reports_the_weights_it_trained_and_the_kernels_it_ran():
+    """`pflbench bench model` on CPU: the same steps give the same weights' digest (what two
+    machines or kernel settings compare), and the kernels are this process's."""
+    from pflbench.model.bench import bench_model
+
+    first, again = (bench_model(preset="tiny", steps=2) for _ in range(2))
+    assert first["weights_digest"] == again["weights_digest"]
+    assert len(first["weights_digest"]) == 16 and first["cpu_seconds_per_step"] > 0
+    assert first["kernels"]["aten_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert first["kernels"]["onednn_enabled"] == torch.backends.mkldnn.enabled

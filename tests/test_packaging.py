@@ -1,4 +1,5 @@
-"""The built wheel ships tasks/, baselines/ and budgets, and a non-editable install finds them."""
+"""The built wheel ships tasks/, baselines/ and budgets, and a non-editable install finds them;
+constraints.txt pins what `make` installs."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import os
 import shutil
 import subprocess
 import sys
+import tomllib
 import zipfile
 from pathlib import Path
 
 import pytest
 import yaml
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -26,6 +30,8 @@ def wheel(tmp_path_factory) -> Path:
             shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
         elif path.exists():
             shutil.copy(path, src / name)
+    for suffix in (".safetensors", ".json"):  # a shipped seed model (central.SHIPPED_SEEDS)
+        (src / "tasks" / "seed-models" / f"probe-v1-0123456789abcdef{suffix}").write_text("{}")
     out = tmp_path_factory.mktemp("wheel")
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
     proc = subprocess.run([*cmd, "-w", str(out), str(src)], capture_output=True, text=True)
@@ -37,12 +43,16 @@ def wheel(tmp_path_factory) -> Path:
 def test_wheel_contains_specs(wheel):
     names = zipfile.ZipFile(wheel).namelist()
     prefix = "pflbench/specs/tasks/"
-    shipped_tasks = {n.removeprefix(prefix) for n in names if n.startswith(prefix)}
+    shipped_tasks = {
+        n.removeprefix(prefix) for n in names if n.startswith(prefix) and n.endswith(".yaml")
+    }
     tasks = {p.relative_to(ROOT / "tasks").as_posix() for p in (ROOT / "tasks").rglob("*.yaml")}
     assert any(t.startswith("templates/") for t in tasks)  # the templates task files include
     assert tasks == shipped_tasks
     shipped = {Path(n).name for n in names if n.startswith("pflbench/specs/baselines/")}
     assert {p.name for p in (ROOT / "baselines").glob("*.yaml")} == shipped
+    seeds = {Path(n).name for n in names if n.startswith(f"{prefix}seed-models/")}
+    assert {"probe-v1-0123456789abcdef.safetensors", "probe-v1-0123456789abcdef.json"} <= seeds
 
 
 def test_non_editable_install_finds_specs(wheel, tmp_path):
@@ -73,3 +83,30 @@ def test_non_editable_install_finds_specs(wheel, tmp_path):
     declared = yaml.safe_load((ROOT / "tasks" / "budgets.yaml").read_text())["budgets"]
     assert budgets == sorted(b["name"] for b in declared)
     assert n_baselines == len(list((ROOT / "baselines").glob("*.yaml")))
+
+
+def _pins() -> dict[str, str]:
+    """constraints.txt as {normalized name: pinned version}; every line must be `name==version`."""
+    pins = {}
+    for number, line in enumerate((ROOT / "constraints.txt").read_text().splitlines(), 1):
+        if not line.strip() or line.startswith("#"):
+            continue
+        name, sep, version = line.partition("==")
+        assert sep and version, f"constraints.txt:{number}: {line!r} does not pin (==) a version"
+        pins[canonicalize_name(name)] = version
+    return pins
+
+
+def test_constraints_pin_every_dependency():
+    """The lock pins (==) every package pyproject.toml names, runtime and extras (`make` installs
+    .[dev]), at a version its range admits; torch at its public version, not a local build."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = [Requirement(r) for r in project["dependencies"]]
+    declared += [Requirement(r) for rs in project["optional-dependencies"].values() for r in rs]
+    pins = _pins()
+    assert "pflbench" not in pins
+    for req in declared:
+        name = canonicalize_name(req.name)
+        assert name in pins, f"{req.name} (pyproject.toml) is not pinned in constraints.txt"
+        assert req.specifier.contains(pins[name]), f"{req.name}=={pins[name]} is not {req}"
+    assert "+" not in pins["torch"]

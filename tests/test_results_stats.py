@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import copy
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
+from typer.testing import CliRunner
 
+from pflbench.cli import app
 from pflbench.errors import UserError
-from pflbench.results.stats import difference_interval, wer_interval
+from pflbench.results.schema import compute_record_id, load_record
+from pflbench.results.stats import difference_interval, unchecked_seed_models, wer_interval
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def population(rng: np.random.Generator, speakers: int) -> tuple[np.ndarray, np.ndarray]:
@@ -103,3 +112,40 @@ def test_different_eval_sets_and_missing_words_are_refused():
         wer_interval([{"a": (3, 0), "b": (1, 0)}])
     with pytest.raises(UserError, match="no per-speaker counts"):
         wer_interval([])
+
+
+def test_compare_refuses_rows_from_different_seed_models(tmp_path):
+    """A leaderboard record and a copy of it naming another seed model (its id recomputed, so
+    it is a valid record): `pflbench compare` refuses to pair them, naming both digests, on
+    either side; the record against itself compares."""
+    source = next(p for p in sorted(RESULTS.rglob("*.json")) if '"seed_model": "' in p.read_text())
+    data = json.loads(source.read_text())
+    other = copy.deepcopy(data)
+    other["data"]["digests"]["seed_model"] = "0" * 64
+    other["record_id"] = compute_record_id(other)
+    folder = tmp_path / data["task"]["name"] / data["budget"]
+    folder.mkdir(parents=True)
+    for record in (data, other):
+        (folder / f"{record['record_id']}.json").write_text(json.dumps(record))
+
+    def compare(a: str, b: str):
+        args = ["compare", a, b, "--results", str(tmp_path), "--replicates", "200", "--json"]
+        return CliRunner().invoke(app, args)
+
+    ours, theirs = data["record_id"], other["record_id"]
+    assert compare(ours, ours).exit_code == 0
+    refused = compare(ours, theirs)
+    assert isinstance(refused.exception, UserError)
+    message = str(refused.exception)
+    assert "different seed models" in message
+    assert data["data"]["digests"]["seed_model"] in message and "0" * 64 in message
+    refused = compare(f"{ours},{theirs}", ours)  # one side's seeds from two seed models
+    assert isinstance(refused.exception, UserError) and "side A" in str(refused.exception)
+
+
+def test_records_without_a_seed_model_digest_are_listed_as_unchecked():
+    records = [load_record(p)[0] for p in sorted(RESULTS.glob("synth-cv-en-ls-seed/*/*.json"))]
+    unchecked = unchecked_seed_models(records)
+    named = {r.record_id for r in records if r.data.digests.get("seed_model")}
+    assert named and unchecked
+    assert set(unchecked) == {r.record_id for r in records} - named

@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -23,6 +24,7 @@ from pflbench.errors import UserError
 from pflbench.fl.distributed import DistContext
 from pflbench.fl.simulator import Simulator
 from pflbench.model.transformer import build_model
+from pflbench.numerics import NUMERIC_PACKAGES
 from pflbench.results.schema import load_record
 from pflbench.rundir import latest_checkpoint
 from pflbench.runner import RunOptions, run
@@ -83,7 +85,12 @@ def test_each_baseline_writes_a_valid_record(env, tmp_path, baseline):
     assert record.privacy.dp == (budget != "none")
     assert record.compute.central_steps == 3 and record.diagnostics.nonfinite_updates == 0
     assert re.fullmatch(r"[0-9a-f]{64}", record.data.digests["seed_model"])  # starting weights
+    assert set(record.data.audio_digests) == set(record.data.digests) - {"seed_model"}
     assert record.compute.intra_op_threads >= 1
+    # what else decides the numbers: package versions, the CPU and the kernels torch picked
+    assert set(NUMERIC_PACKAGES) | {"libsndfile", "libespeak-ng"} <= set(record.software.packages)
+    assert record.software.packages["numpy"] == np.__version__
+    assert record.compute.cpu.aten_capability == torch.backends.cpu.get_cpu_capability()
     expected_groups = {"cv-test": {"age", "gender", "accent"}, "ls-dev-clean": {"gender"}}
     for name, attributes in expected_groups.items():
         result = record.metrics.final[name]
@@ -431,6 +438,51 @@ def test_per_utterance_errors_and_speaker_counts_feed_pflbench_compare(env, tmp_
     refused = CliRunner().invoke(app, ["compare", str(central), str(tmp_path / "nothing")])
     assert isinstance(refused.exception, UserError)
     assert "neither a finished run directory" in str(refused.exception)
+
+
+def test_pflbench_seed_ships_its_model_and_runs_start_from_it(env, tmp_path, monkeypatch):
+    import pflbench.central as central
+
+    monkeypatch.setattr(central, "shipped_seed_dir", lambda: tmp_path / "seed-models")
+
+    def seed(*extra: str) -> str:
+        out = CliRunner().invoke(app, ["seed", "--task", TASK, "--specs", str(env), *extra])
+        assert out.exit_code == 0, out.output
+        return out.output
+
+    first = json.loads(seed("--json"))["shipped"]
+    assert first["matches"] is None and not Path(first["shipped"]).exists()
+    assert "no seed model is shipped" in seed()
+    assert "shipped as" in seed("--ship")
+    assert Path(first["shipped"]).is_file() and Path(first["shipped"]).parent.name == "seed-models"
+    again = json.loads(seed("--json"))["shipped"]
+    assert again["matches"] is True and again["shipped_digest"] == first["digest"]
+    assert "matches the seed model shipped" in seed()
+    run_dir = run(
+        _config(env, "seed-only"), out_dir=tmp_path / "run", options=RunOptions(progress=False)
+    )
+    record, _ = load_record(run_dir / "record.json")
+    assert record.data.digests["seed_model"] == first["digest"]
+    _, meta = load_checkpoint(run_dir / "checkpoints" / "final.safetensors")
+    assert Path(meta["seed_checkpoint"]).parent.name == f"shipped-{first['digest'][:16]}"
+
+    # A shipped sidecar naming other weights, trained on another CPU: `seed` says where they
+    # differ, and a run refuses to start from a file whose tensors are not the ones named.
+    sidecar = Path(first["shipped"]).with_suffix(".json")
+    shipped_meta = json.loads(sidecar.read_text())
+    shipped_meta["tensors_digest"] = "0" * 64
+    shipped_meta["numerics"]["cpu"]["model"] = "Another CPU"
+    sidecar.write_text(json.dumps(shipped_meta))
+    output = seed()
+    assert "DIFFERS from the seed model shipped" in output and "0" * 64 in output
+    assert "seed data: same digest, same audio digest" in output
+    assert "cpu.model: Another CPU / " in output
+    with pytest.raises(UserError, match="its tensors hash to"):
+        run(
+            _config(env, "seed-only"),
+            out_dir=tmp_path / "refused",
+            options=RunOptions(progress=False),
+        )
 
 
 def test_adaptive_clipping_moves_the_bound_by_the_released_fraction(env, tmp_path):

@@ -12,7 +12,9 @@ uninterrupted run would have.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,15 +23,29 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemainingColumn
 from torch import Tensor, nn
 
-from pflbench.checkpoint import exclusive, load_checkpoint, load_model, save_checkpoint, save_model
+from pflbench.checkpoint import (
+    atomic_write,
+    atomic_write_text,
+    exclusive,
+    load_checkpoint,
+    load_model,
+    meta_path,
+    save_checkpoint,
+    save_model,
+    state_digest,
+    tensors_digest,
+)
 from pflbench.data.batching import collate, dynamic_batches
 from pflbench.data.features import spec_augment as apply_spec_augment
 from pflbench.data.store import torch_threads
+from pflbench.errors import UserError
 from pflbench.fl.server_optimizers import trust_ratio
 from pflbench.model.transformer import CTCTransformer, build_model, ctc_loss
+from pflbench.numerics import cpu_kernels, package_versions
 from pflbench.progress import make_progress
 from pflbench.seeds import keyed_seed
 from pflbench.spec.models import CentralRecipe, Recipe, SpecAugmentRecipe, Task
+from pflbench.spec.registry import builtin_spec_root
 from pflbench.spec.resolve import canonical_json
 
 # ----------------------------------------------------------------------------------------------
@@ -277,7 +293,7 @@ def train_central(
 
 
 # ----------------------------------------------------------------------------------------------
-# The task's seed model, cached
+# The task's seed model: shipped, or trained and cached
 
 
 # Bumped when a cached seed model's files change meaning or content, so no older cache is read:
@@ -289,9 +305,17 @@ SEED_FORMAT = 2
 # the same weights. One thread: the count every machine has.
 SEED_TRAINING_THREADS = 1
 
+# Seed models shipped with the tasks (tasks/seed-models/, digest-checked): the leaderboard's
+# starting weights. Another CPU trains other weights from the same data (its kernels round
+# differently: pflbench.numerics), so runs start from the shipped model where there is one, and
+# `pflbench seed` trains this machine's own and says whether it matches.
+SHIPPED_SEEDS = "seed-models"
 
-def seed_key(task: Task, recipe: Recipe, seed: int, vocab: list[str], digest: str) -> str:
-    parts = {
+
+def seed_spec(task: Task, recipe: Recipe, seed: int, vocab: list[str]) -> dict:
+    """What defines a task's seed model, its training data aside: a shipped seed model is the
+    one for this spec, whatever this machine's copy of the data."""
+    return {
         "format": SEED_FORMAT,
         "seed_data": task.seed_data.model_dump(mode="json") if task.seed_data else None,
         "synthetic": task.synthetic.model_dump(mode="json") if task.synthetic else None,
@@ -300,10 +324,30 @@ def seed_key(task: Task, recipe: Recipe, seed: int, vocab: list[str], digest: st
         "spec_augment": recipe.spec_augment.model_dump(mode="json"),
         "seed": seed,
         "vocab": vocab,
+    }
+
+
+def seed_key(task: Task, recipe: Recipe, seed: int, vocab: list[str], digest: str) -> str:
+    """The key of a seed model trained here: its spec, the seed data's digest, the threads."""
+    parts = {
+        **seed_spec(task, recipe, seed, vocab),
         "data_digest": digest,
         "cpu_threads": SEED_TRAINING_THREADS,
     }
     return hashlib.sha256(canonical_json(parts).encode()).hexdigest()
+
+
+def shipped_seed_dir() -> Path:
+    """Where the built-in tasks' seed models are shipped: tasks/seed-models/."""
+    return builtin_spec_root()[0] / SHIPPED_SEEDS
+
+
+def shipped_seed_path(
+    task: Task, recipe: Recipe, seed: int, vocab: list[str], shipped_dir: Path
+) -> Path:
+    """Where the seed model of this spec is (or would be) shipped in `shipped_dir`."""
+    spec = hashlib.sha256(canonical_json(seed_spec(task, recipe, seed, vocab)).encode())
+    return shipped_dir / f"{task.name}-v{task.version}-{spec.hexdigest()[:16]}.safetensors"
 
 
 def fresh_model(recipe: Recipe, vocab_size: int, seed: int) -> CTCTransformer:
@@ -313,16 +357,31 @@ def fresh_model(recipe: Recipe, vocab_size: int, seed: int) -> CTCTransformer:
 
 
 def seed_model(
-    task: Task, recipe: Recipe, data, *, seed: int, device, cache_dir: Path, progress: bool = True
+    task: Task,
+    recipe: Recipe,
+    data,
+    *,
+    seed: int,
+    device,
+    cache_dir: Path,
+    progress: bool = True,
+    shipped_dir: Path | None = None,
 ) -> tuple[CTCTransformer, Path | None]:
-    """The task's seed model and its checkpoint path: loaded from the cache when one was trained
-    for the same seed data, model, central recipe, SpecAugment, seed and vocabulary; else trained
-    and cached. Tasks without seed data get a freshly initialized (seeded) model and path None."""
+    """The task's seed model and its checkpoint path (in the cache). With `shipped_dir` and a
+    seed model shipped there for this spec (shipped_seed_path), that one, its digest checked;
+    else the one trained for the same spec and seed data, trained and cached when there is none.
+    Tasks without seed data get a freshly initialized (seeded) model and path None."""
     model = fresh_model(recipe, data.tokenizer.size, seed)
     if task.seed_data is None or data.seed_train is None:
         return model.to(device), None
+    vocab = data.tokenizer.vocab
+    shipped = shipped_seed_path(task, recipe, seed, vocab, shipped_dir) if shipped_dir else None
+    if shipped is not None and shipped.is_file():
+        path = _cached_shipped_copy(shipped, Path(cache_dir))
+        loaded, _ = load_model(path, device)
+        return loaded, path
     digest = data.seed_train.digest
-    key = seed_key(task, recipe, seed, data.tokenizer.vocab, digest)
+    key = seed_key(task, recipe, seed, vocab, digest)
     folder = Path(cache_dir) / "seeds" / f"{task.name}-{key[:16]}"
     path = folder / "seed.safetensors"
     with exclusive(folder.with_name(folder.name + ".lock")):
@@ -344,10 +403,13 @@ def seed_model(
                 "task_version": task.version,
                 "seed": seed,
                 "recipe": recipe.model_dump(mode="json"),
-                "vocab": data.tokenizer.vocab,
+                "vocab": vocab,
                 "seed_data_digest": digest,
+                "seed_data_audio_digest": data.seed_train.audio_digest,
                 "key": key,
                 "training": stats,
+                "tensors_digest": state_digest(model.state_dict()),
+                "numerics": {"packages": package_versions(), "cpu": cpu_kernels()},
             }
             save_model(path, model, meta)
             (folder / LAST).unlink(missing_ok=True)
@@ -355,3 +417,66 @@ def seed_model(
             return model.eval(), path
     loaded, _ = load_model(path, device)
     return loaded, path
+
+
+def _cached_shipped_copy(shipped: Path, cache_dir: Path) -> Path:
+    """A copy of a shipped seed model in the cache (its evaluations are cached beside it, and the
+    checkout is never written), made once, after checking the tensors' digest its sidecar names."""
+    sidecar = meta_path(shipped)
+    try:
+        expected = json.loads(sidecar.read_text()).get("tensors_digest")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise UserError(
+            f"shipped seed model {shipped}: unreadable sidecar {sidecar} ({exc})"
+        ) from None
+    if not isinstance(expected, str):
+        raise UserError(f"shipped seed model {shipped}: {sidecar.name} names no tensors_digest")
+    folder = cache_dir / "seeds" / f"shipped-{expected[:16]}"
+    path = folder / "seed.safetensors"
+    with exclusive(folder.with_name(folder.name + ".lock")):
+        if path.is_file() and meta_path(path).is_file():
+            return path
+        actual = tensors_digest(shipped)
+        if actual != expected:
+            raise UserError(
+                f"shipped seed model {shipped}: its tensors hash to {actual}, not the "
+                f"{expected} its sidecar names (a damaged or replaced file; `git status` it)"
+            )
+        folder.mkdir(parents=True, exist_ok=True)
+        atomic_write(path, lambda tmp: shutil.copyfile(shipped, tmp))
+        atomic_write(meta_path(path), lambda tmp: shutil.copyfile(meta_path(shipped), tmp))
+    return path
+
+
+def ship_seed_model(path: Path, shipped: Path) -> None:
+    """Copies a seed model trained here to `shipped` (shipped_seed_path), its sidecar naming the
+    digest that runs check it against."""
+    meta = json.loads(meta_path(path).read_text())
+    meta["tensors_digest"] = tensors_digest(path)
+    shipped.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(shipped, lambda tmp: shutil.copyfile(path, tmp))
+    atomic_write_text(meta_path(shipped), json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+
+def compare_with_shipped(path: Path, shipped: Path) -> dict:
+    """A seed model trained here against the one shipped for its spec: their tensors' digests,
+    and where they differ, whether the seed data and its audio did, and which package versions
+    and CPU kernel settings (pflbench.numerics) differ between the two trainings."""
+    mine = json.loads(meta_path(path).read_text())
+    check = {"digest": tensors_digest(path), "shipped": str(shipped), "matches": None}
+    if not shipped.is_file():
+        return check
+    theirs = json.loads(meta_path(shipped).read_text())
+    check["shipped_digest"] = theirs.get("tensors_digest")
+    check["matches"] = check["digest"] == check["shipped_digest"]
+    for name in ("seed_data_digest", "seed_data_audio_digest"):
+        check[f"same_{name}"] = mine.get(name) == theirs.get(name) if theirs.get(name) else None
+    numerics_here = mine.get("numerics") or {"packages": package_versions(), "cpu": cpu_kernels()}
+    numerics_there = theirs.get("numerics") or {}
+    check["numerics_differ"] = {
+        f"{group}.{key}": [value, numerics_here[group].get(key)]
+        for group in ("packages", "cpu")
+        for key, value in numerics_there.get(group, {}).items()
+        if value != numerics_here[group].get(key)
+    }
+    return check

@@ -59,8 +59,14 @@ def exclusive(lock_path: Path) -> Iterator[None]:
 def tensors_digest(path: Path) -> str:
     """sha256 over a checkpoint's tensors (names, dtypes, shapes, bytes): identifies the weights
     independently of the sidecar's metadata."""
+    return state_digest(load_file(str(path)))
+
+
+def state_digest(tensors: dict[str, Tensor]) -> str:
+    """tensors_digest of the checkpoint these tensors would be saved as."""
     h = hashlib.sha256()
-    for name, t in sorted(load_file(str(path)).items()):
+    for name, t in sorted(tensors.items()):
+        t = t.detach().to("cpu")
         h.update(f"{name}\t{t.dtype}\t{tuple(t.shape)}\n".encode())
         h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())  # 0-dim too
     return h.hexdigest()

@@ -156,7 +156,7 @@ def prepare_data(config: RunConfig, data_root: Path | None, progress: bool):
 
 def _prepare(config: RunConfig, ctx: DistContext, device: str, options: RunOptions):
     """Data and seed model; rank 0 builds the caches first, the other ranks then read them."""
-    from pflbench.central import seed_model
+    from pflbench.central import seed_model, shipped_seed_dir
     from pflbench.data.prepare import cache_dir_default
 
     data = model = seed_path = None
@@ -172,6 +172,7 @@ def _prepare(config: RunConfig, ctx: DistContext, device: str, options: RunOptio
                 device=device,
                 cache_dir=cache_dir_default(),
                 progress=progress,
+                shipped_dir=shipped_seed_dir(),
             )
         barrier(ctx)
     set_cpu_threads()  # seed training restores its own count; this one is the run's

@@ -59,14 +59,17 @@ def register(app: typer.Typer) -> None:
         preset: str = typer.Option(
             None, help="Model preset (default: synth-cpu on CPU, paper-255m on CUDA)."
         ),
+        steps: int = typer.Option(None, min=1, help="Timed steps (default: 4 on CPU, 10 on CUDA)."),
         as_json: bool = JsonOption,
     ) -> None:
-        """Training throughput (s of audio per s); on CUDA also MFU in bf16."""
+        """Training throughput (s of audio per s); on CUDA also MFU in bf16; on CPU also CPU
+        seconds per step and the trained weights' digest (equal digests: the same floats)."""
         from pflbench.model.bench import bench_model
 
         check_device(device)
         preset = preset or ("paper-255m" if device.startswith("cuda") else "synth-cpu")
-        _print(f"model {preset} on {device}", bench_model(device=device, preset=preset), as_json)
+        figures = bench_model(device=device, preset=preset, steps=steps)
+        _print(f"model {preset} on {device}", figures, as_json)
 
     @bench.command("fl")
     def bench_fl(

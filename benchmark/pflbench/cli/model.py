@@ -48,6 +48,36 @@ def results_table(title: str, results: dict[str, dict]) -> Table:
     return table
 
 
+def shipped_lines(check: dict, shipped_now: bool) -> list[str]:
+    """What `pflbench seed` says of its model against the shipped one (compare_with_shipped)."""
+    digest, shipped = check["digest"], check["shipped"]
+    lines = [f"its weights' digest: {digest}"]
+    if shipped_now:
+        before = check.get("shipped_digest")
+        replaced = f", replacing {before}" if before and before != digest else ""
+        return [*lines, f"shipped as {shipped}{replaced}: runs start from it (commit it)"]
+    if check["matches"] is None:
+        return [
+            *lines,
+            f"no seed model is shipped for this task and recipe (it would be {shipped}): runs "
+            "train and cache their own, as this one; `pflbench seed --ship` ships it",
+        ]
+    if check["matches"]:
+        shipped_ok = f"matches the seed model shipped with the task ({shipped})"
+        return [*lines, f"{shipped_ok}, which runs start from"]
+    same = {True: "same", False: "different", None: "unknown"}
+    lines += [
+        f"DIFFERS from the seed model shipped with the task ({shipped}: "
+        f"{check['shipped_digest']}), which runs start from",
+        f"seed data: {same[check['same_seed_data_digest']]} digest, "
+        f"{same[check['same_seed_data_audio_digest']]} audio digest; where the trainings "
+        "differ (shipped / here):",
+    ]
+    differ = check["numerics_differ"].items()
+    lines += [f"  {key}: {there} / {here}" for key, (there, here) in differ]
+    return lines
+
+
 def register(app: typer.Typer) -> None:
     @app.command("seed")
     def seed(
@@ -58,10 +88,17 @@ def register(app: typer.Typer) -> None:
         specs: list[Path] = SpecsOption,
         data_root: Path = DataRootOption,
         cache_dir: Path = CacheOption,
+        ship: bool = typer.Option(
+            False,
+            "--ship",
+            help="Ship the trained seed model with the task (tasks/seed-models/, replacing one "
+            "shipped before): runs then start from it on every machine.",
+        ),
         as_json: bool = JsonOption,
     ) -> None:
-        """Train the task's seed model on its central data (or reuse the cached one), then print
-        its WER/CER on the task's eval sets."""
+        """Train the task's seed model on this machine (or reuse the one cached), print its
+        WER/CER on the task's eval sets, and say whether its weights are those of the seed model
+        shipped with the task, which runs start from."""
         from pflbench.spec.registry import load_registry
         from pflbench.spec.resolve import resolve
 
@@ -71,7 +108,14 @@ def register(app: typer.Typer) -> None:
             console.print(f"task {task!r} has no seed model: it trains from scratch")
             return
 
-        from pflbench.central import seed_model, set_cpu_threads
+        from pflbench.central import (
+            compare_with_shipped,
+            seed_model,
+            set_cpu_threads,
+            ship_seed_model,
+            shipped_seed_dir,
+            shipped_seed_path,
+        )
         from pflbench.data.prepare import cache_dir_default, prepare_task
         from pflbench.evaluate import evaluate_sets
 
@@ -87,11 +131,19 @@ def register(app: typer.Typer) -> None:
             cache_dir=cache,
             progress=not as_json,
         )
+        shipped = shipped_seed_path(
+            cfg.task, cfg.recipe, seed, data.tokenizer.vocab, shipped_seed_dir()
+        )
+        check = compare_with_shipped(path, shipped)
+        if ship:
+            ship_seed_model(path, shipped)
         results = evaluate_sets(model, data.eval_sets, data.tokenizer, device=device)
         if as_json:
-            print_json({"task": task, "checkpoint": str(path), "eval": results})
+            print_json({"task": task, "checkpoint": str(path), "shipped": check, "eval": results})
             return
-        console.print(f"seed checkpoint: {path}")
+        console.print(f"seed checkpoint: {path}", highlight=False)
+        for line in shipped_lines(check, shipped_now=ship):
+            console.print(line, highlight=False)
         console.print(results_table(f"seed model of {task}", results))
 
     @app.command("eval")

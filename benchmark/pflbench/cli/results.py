@@ -164,11 +164,18 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Paired comparison of two rows (one or more seeds each): WER(A) - WER(B) per eval set
         with a 95% bootstrap CI that resamples speakers (paired) and seeds."""
-        from pflbench.results.stats import compare_records, load_side
+        from pflbench.results.stats import compare_records, load_side, unchecked_seed_models
 
         a = load_side(_split(side_a, "side A"), results)
         b = load_side(_split(side_b, "side B"), results)
         found = compare_records(a, b, eval_set or None, replicates=replicates, seed=seed)
+        unchecked = unchecked_seed_models([*a, *b])
+        if unchecked:
+            err_console.print(
+                f"note: {', '.join(unchecked)} name no seed model (recorded before records "
+                "held its digest): whether all runs started from the same one is unchecked",
+                highlight=False,
+            )
         if as_json:
             print_json(
                 [

@@ -79,3 +79,11 @@ class Espeak:
         if not self._chunks:
             return np.zeros(0, np.int16)
         return np.concatenate(self._chunks)
+
+
+def espeak_version() -> str:
+    """The version of the bundled libespeak-ng (espeak_Info needs no initialization)."""
+    lib = ctypes.CDLL(espeakng_loader.get_library_path())
+    lib.espeak_Info.restype = ctypes.c_char_p
+    lib.espeak_Info.argtypes = [ctypes.c_void_p]
+    return lib.espeak_Info(None).decode()

@@ -144,17 +144,43 @@ def source_manifest(
     return entries, info, notes
 
 
-def manifest_digest(entries: list[Entry], language: str) -> str:
-    """Hash of manifest + normalizer + tokenizer + feature config: the store's key."""
+def store_key(entries: list[Entry], language: str, root: Path) -> str:
+    """The feature store's cache key: manifest + normalizer + tokenizer + feature config, each
+    row's audio named by its path relative to the data root and its size, so that the same
+    corpus in another folder finds the same store (the store's own digests hash its content)."""
     h = hashlib.sha256()
     config = {
         "manifest": MANIFEST_VERSION, "normalizer": NORMALIZER_VERSION, "features": FEATURE_CONFIG,
         "vocab": tokenizer_for(language).vocab,
     }  # fmt: skip
     h.update(json.dumps(config, sort_keys=True).encode())
+    part_sizes: dict[str, int] = {}
     for e in sorted(entries, key=lambda e: e.utt_id):
-        h.update(f"{e.utt_id}\t{e.user_id}\t{e.audio}\t{e.text}\n".encode())
+        audio = _relative_audio(e.audio, root, part_sizes)
+        h.update(f"{e.utt_id}\t{e.user_id}\t{audio}\t{e.text}\n".encode())
     return h.hexdigest()
+
+
+def _relative_audio(ref: str, root: Path, part_sizes: dict[str, int]) -> str:
+    """`path:size` of a manifest audio reference with the path relative to `root`; a Hugging Face
+    row `hf:<part>#<row>` is named by its part (whose sizes `part_sizes` caches) and row."""
+    if not ref.startswith("hf:"):
+        return f"{os.path.relpath(ref, root)}:{_size(Path(ref))}"
+    part, _, row = ref.removeprefix("hf:").rpartition("#")
+    if part not in part_sizes:
+        part_sizes[part] = _size(Path(part))
+    return f"hf:{os.path.relpath(part, root)}#{row}:{part_sizes[part]}"
+
+
+def _size(path: Path) -> int:
+    """Bytes of a file or of the files in a folder (a saved dataset); -1 when missing (the store
+    counts the row as a skip when it reads it)."""
+    try:
+        if path.is_dir():
+            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        return path.stat().st_size
+    except OSError:
+        return -1
 
 
 def split_label(corpus: str, subsets: list[str], locale: str | None) -> str:
@@ -172,17 +198,18 @@ def prepare_split(
     info: dict,
     skips: Skips,
     language: str,
+    root: Path,
     cache_dir: Path,
     progress,
 ) -> FeatureStore:
-    digest = manifest_digest(entries, language)
-    folder = cache_dir / "features" / f"{label}-{digest[:16]}"
+    key = store_key(entries, language, root)
+    folder = cache_dir / "features" / f"{label}-{key[:16]}"
     report = {**info, "utterances_in_manifest": len(entries), "skipped": skips.to_dict()}
     if progress is None:
-        return build_store(folder, entries, language, digest, report)
+        return build_store(folder, entries, language, report)
     bar = progress.add_task(f"features {name}", total=max(len(entries), 1))
     store = build_store(
-        folder, entries, language, digest, report,
+        folder, entries, language, report,
         on_progress=lambda done, total: progress.update(bar, completed=done, total=max(total, 1)),
     )  # fmt: skip
     progress.update(bar, completed=max(len(entries), 1))
@@ -228,7 +255,7 @@ def prepare_task(
                 us = source.user_split
                 label += f"-users{us.percent:g}{us.part}s{us.seed}" + ("-iid" if source.iid else "")
             stores[name] = prepare_split(
-                name, label, entries, info, skips, language, cache_dir, bars
+                name, label, entries, info, skips, language, root, cache_dir, bars
             )
         evals = _prepare_evals(task, root, cache_dir, bars)
     stores.update({f"eval:{name}": store for name, store in evals.eval_sets.items()})
@@ -282,7 +309,7 @@ def prepare_eval(
         raise UserError(f"eval set {ev.name!r} ({ev.corpus} {ev.subset}) has no usable utterances")
     info = {"users_digest": users_digest(e.user_id for e in entries)}
     label = split_label(ev.corpus, [ev.subset], ev.locale)
-    store = prepare_split(ev.name, label, entries, info, skips, language, cache_dir, bars)
+    store = prepare_split(ev.name, label, entries, info, skips, language, root, cache_dir, bars)
     return store, speaker_groups(entries), split_notes({ev.subset: manifest}, entries)
 
 

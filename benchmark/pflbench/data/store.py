@@ -1,16 +1,25 @@
 """The feature store: features computed once, kept on disk as Arrow IPC shards, grouped by user.
 
-Layout of a store folder (its name ends in the digest of manifest + normalizer + feature config):
+Layout of a store folder (its name ends in a key of manifest + normalizer + feature config, see
+pflbench.data.prepare.store_key):
   shard-00000.arrow ...  rows sorted by (user, utterance); a user never straddles two shards, so
                          one user's rows are one contiguous slice of one memory-mapped file. Each
-                         shard's schema metadata holds the items it skipped (unreadable audio, ...).
-  index.json             per-user (shard, offset, count, seconds), stats and skip report.
+                         shard's schema metadata holds the items it skipped (unreadable audio, ...)
+                         and a sha256 of each row and of the audio it was computed from.
+  index.json             per-user (shard, offset, count, seconds), stats and skip report, and the
+                         store's digests: `digest` (sha256 of what training reads: ids, users,
+                         texts, durations, features, tokens) and `audio_digest` (sha256 of the
+                         decoded audio with ids, users and texts). Both hash content only, so the
+                         same corpus anywhere gives the same digests; when two machines' `digest`
+                         differ, `audio_digest` tells a different corpus (synthesis, decoding)
+                         from different feature arithmetic.
 Shards and the index are written to a temp name and renamed into place, so an interrupted build
 resumes from the finished shards and never leaves a partial shard that reads as complete.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -102,9 +111,11 @@ def write_shard(
     """Computes and writes one shard atomically; returns what it skipped."""
     tokenizer = tokenizer_for(language)
     skips, columns = Skips(), {name: [] for name in SCHEMA.names}
+    row_digests, audio_digests = [], []  # a sha256 per row, for the store's (write_index)
     for e in entries:
         try:
-            feats, seconds = features_of(*read_audio(e.audio))
+            wave, rate = read_audio(e.audio)
+            feats, seconds = features_of(wave, rate)
         except AudioError as err:
             skips.add(err.reason, e.utt_id)
             continue
@@ -115,13 +126,29 @@ def write_shard(
         }  # fmt: skip
         for name, value in row.items():
             columns[name].append(value)
-    schema = SCHEMA.with_metadata({"skips": json.dumps(skips.to_dict())})
+        wave = np.ascontiguousarray(wave)
+        header = _digest_header(e, rate, wave.dtype.str, len(wave))
+        audio_digests.append(hashlib.sha256(header + wave.tobytes()).digest())
+        header = _digest_header(e, seconds, len(feats), len(row["tokens"]))
+        row_digests.append(hashlib.sha256(header + row["feats"] + row["tokens"]).digest())
+    metadata = {
+        "skips": json.dumps(skips.to_dict()),
+        "row_digests": b"".join(row_digests),
+        "audio_digests": b"".join(audio_digests),
+    }
+    schema = SCHEMA.with_metadata(metadata)
     table = pa.table(columns, schema=schema)
     tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
     with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
         writer.write_table(table)
     os.replace(tmp, path)
     return skips
+
+
+def _digest_header(entry: Entry, *sizes: object) -> bytes:
+    """An utterance's identity and the sizes of the bytes that follow it into a digest (so that
+    no two different sequences of rows hash the same bytes)."""
+    return json.dumps([entry.utt_id, entry.user_id, entry.text, *sizes]).encode() + b"\n"
 
 
 @contextmanager
@@ -148,7 +175,6 @@ def build_store(
     folder: Path,
     entries: Sequence[Entry],
     language: str,
-    digest: str,
     report: dict,
     read_audio: AudioReader = read_audio,
     workers: int | None = None,
@@ -181,17 +207,23 @@ def build_store(
     if workers > 1:
         pool.close()
         pool.join()
-    write_index(folder, len(shards), digest, report)
+    write_index(folder, len(shards), report)
     return FeatureStore(folder)
 
 
-def write_index(folder: Path, n_shards: int, digest: str, report: dict) -> None:
+def write_index(folder: Path, n_shards: int, report: dict) -> None:
     users: dict[str, list] = {}
     skips = Skips.from_dict(report.get("skipped", {}))
+    # The store's digests hash its rows' digests in order: whatever the sharding, the same rows
+    # give the same digests.
+    digests = {"digest": hashlib.sha256(), "audio_digest": hashlib.sha256()}
     for i in range(n_shards):
         with pa.memory_map(str(shard_path(folder, i))) as source:
             reader = pa.ipc.open_file(source)
-            skips.merge(Skips.from_dict(json.loads(reader.schema.metadata[b"skips"])))
+            metadata = reader.schema.metadata
+            skips.merge(Skips.from_dict(json.loads(metadata[b"skips"])))
+            digests["digest"].update(metadata[b"row_digests"])
+            digests["audio_digest"].update(metadata[b"audio_digests"])
             table = reader.read_all().select(["user_id", "seconds"])
         user_ids = table.column("user_id").to_pylist()
         seconds = table.column("seconds").to_numpy()
@@ -200,7 +232,7 @@ def write_index(folder: Path, n_shards: int, digest: str, report: dict) -> None:
         for a, b in zip(starts, [*starts[1:], len(user_ids)], strict=True):
             users[user_ids[a]] = [i, a, b - a, float(seconds[a:b].sum())]
     index = {
-        "digest": digest,
+        **{name: digest.hexdigest() for name, digest in digests.items()},
         "n_shards": n_shards,
         "users": dict(sorted(users.items())),
         "report": {**report, "skipped": skips.to_dict()},
@@ -224,6 +256,7 @@ class FeatureStore:
             raise FileNotFoundError(f"{self.path} is not a finished feature store (no {INDEX})")
         index = json.loads(index_file.read_text())
         self.digest: str = index["digest"]
+        self.audio_digest: str = index["audio_digest"]
         self.report: dict = index["report"]
         self._users: dict[str, list] = index["users"]
         self._tables: dict[int, pa.Table] = {}

@@ -2,7 +2,11 @@
 
 Seconds of audio per second, and on CUDA the model-FLOPs utilization (MFU, bf16 autocast) at the
 paper's 120 s client batch (60 s on CPU). FLOPs count only what runs: with layer drop p a training
-forward runs (1 − p) of the blocks on average, and that is what MFU is computed from.
+forward runs (1 − p) of the blocks on average, and that is what MFU is computed from. On CPU it
+also gives the process's CPU seconds per step (wall time is unusable on a shared machine), the
+digest of the trained weights and the kernels torch ran (pflbench.numerics): two machines, or two
+settings of ATEN_CPU_CAPABILITY / MKL_CBWR / ONEDNN_MAX_CPU_ISA, with the same digest computed
+the same floats.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import time
 
 import torch
 
+from pflbench.checkpoint import state_digest
 from pflbench.model.transformer import (
     build_model,
     count_parameters,
@@ -36,6 +41,7 @@ def device_label(device: str) -> str:
 def bench_model(device: str = "cpu", preset: str = "synth-cpu", steps: int | None = None) -> dict:
     """One central-training step (forward, CTC, backward, optimizer) timed over `steps`."""
     from pflbench.central import make_central_optimizer
+    from pflbench.numerics import cpu_kernels
     from pflbench.spec.models import CentralRecipe
 
     cuda = device.startswith("cuda")
@@ -62,11 +68,12 @@ def bench_model(device: str = "cpu", preset: str = "synth-cpu", steps: int | Non
 
     step()  # warm-up: allocations, kernels
     sync()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
     sync()
     step_seconds = (time.perf_counter() - t0) / steps
+    cpu_step_seconds = (time.process_time() - cpu0) / steps
     frames_out = int(model.output_lengths(feat_lens[:1]).item())
     per_frame = model_flops_per_frame(model.cfg, 30, frames_out, training_layers(model.cfg))
     flops = per_frame * frames_out * batch / step_seconds
@@ -85,4 +92,10 @@ def bench_model(device: str = "cpu", preset: str = "synth-cpu", steps: int | Non
         peak = peak_bf16(torch.cuda.get_device_name())
         out["mfu"] = flops / peak if peak else None
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    else:
+        kernels = cpu_kernels()
+        out["cpu_seconds_per_step"] = cpu_step_seconds
+        out["weights_digest"] = state_digest(model.state_dict())[:16]
+        names = ("aten_capability", "mkl_cbwr", "onednn_enabled", "onednn_max_cpu_isa")
+        out["kernels"] = {name: kernels[name] for name in names}
     return out

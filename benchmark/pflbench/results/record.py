@@ -15,9 +15,11 @@ import torch
 from pflbench import __version__
 from pflbench.checkpoint import atomic_write_text, tensors_digest
 from pflbench.evaluate import evaluate_task
+from pflbench.numerics import cpu_kernels, package_versions
 from pflbench.results.schema import (
     RECORD_SCHEMA_VERSION,
     Compute,
+    CpuKernels,
     DataInfo,
     Diagnostics,
     EvalResult,
@@ -179,6 +181,7 @@ def compute_info(
             "alpha": alpha,
             "value": value,
         },
+        cpu=CpuKernels.model_validate(cpu_kernels()),
     )
 
 
@@ -209,20 +212,26 @@ def software_info() -> Software:
         torch_version=torch.__version__,
         python_version=sys.version.split()[0],
         platform=platform.platform(),
+        packages=package_versions(),
     )
 
 
 def data_info(data, seed_path: Path | None) -> DataInfo:
     """Digests of every data set and of the starting weights, and what preparation skipped."""
-    digests = {"federated_train": data.federated_train.digest}
-    if data.seed_train is not None:
-        digests["seed_train"] = data.seed_train.digest
+    stores = {"federated_train": data.federated_train, "seed_train": data.seed_train}
+    stores = {name: store for name, store in stores.items() if store is not None}
+    stores.update(data.eval_sets)
+    digests = {name: store.digest for name, store in stores.items()}
     if seed_path is not None:  # the starting weights: runs are comparable only from the same ones
         digests["seed_model"] = tensors_digest(seed_path)
-    digests.update({name: store.digest for name, store in data.eval_sets.items()})
     skipped = {split: stats.get("skipped", {}) for split, stats in data.report.items()}
     sources = {
         split: {k: stats[k] for k in ("read_from", "speaker_groups_unavailable") if k in stats}
         for split, stats in data.report.items()
     }
-    return DataInfo(digests=digests, skipped=skipped, sources=sources)
+    return DataInfo(
+        digests=digests,
+        audio_digests={name: store.audio_digest for name, store in stores.items()},
+        skipped=skipped,
+        sources=sources,
+    )

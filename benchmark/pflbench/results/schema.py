@@ -212,6 +212,26 @@ class Cfmq(Strict):
     value: float | None = None
 
 
+class CpuKernels(Strict):
+    """The CPU a run ran on and the kernels torch picked there (pflbench.numerics.cpu_kernels):
+    CPU float results (features always; training on --device cpu) depend on them."""
+
+    model: str | None = None
+    vendor: str | None = None
+    isa: list[str] = Field(
+        default_factory=list, description="The CPU's flags among those that pick kernels."
+    )
+    aten_capability: str | None = Field(
+        None, description="torch's vectorized kernels (DEFAULT, AVX2, AVX512; ATEN_CPU_CAPABILITY)."
+    )
+    mkl_cbwr: str | None = Field(
+        None, description="MKL_CBWR (MKL's reproducibility branch); null: MKL picks by CPU."
+    )
+    onednn_enabled: bool | None = None
+    onednn_max_cpu_isa: str | None = Field(None, description="ONEDNN_MAX_CPU_ISA; null: unset.")
+    float32_matmul_precision: str | None = None
+
+
 class Compute(Strict):
     """Optional fields are unknown for reference rows (a paper rarely reports them)."""
 
@@ -231,6 +251,7 @@ class Compute(Strict):
         None, description="Users that took part in each central step (realized, not expected)."
     )
     cfmq: Cfmq | None = None
+    cpu: CpuKernels | None = Field(None, description="Absent in older records.")
 
 
 class Software(Strict):
@@ -239,10 +260,27 @@ class Software(Strict):
     torch_version: str
     python_version: str
     platform: str
+    packages: dict[str, str | None] | None = Field(
+        None,
+        description="Versions of the other packages and native libraries that can change a "
+        "number (pflbench.numerics.package_versions; null: not installed). Absent in older "
+        "records.",
+    )
 
 
 class DataInfo(Strict):
-    digests: dict[str, str] = Field(default_factory=dict)
+    digests: dict[str, str] = Field(
+        default_factory=dict,
+        description="Per data set, the sha256 of what training or scoring reads (ids, users, "
+        "texts, features, tokens; older records hashed the manifest with absolute paths), and "
+        "`seed_model`, the sha256 of the starting weights' tensors.",
+    )
+    audio_digests: dict[str, str] | None = Field(
+        None,
+        description="Per data set, the sha256 of the decoded audio its features were computed "
+        "from: where `digests` differ, tells another corpus from other feature arithmetic. "
+        "Absent in older records.",
+    )
     skipped: dict[str, Any] = Field(default_factory=dict)
     sources: dict[str, dict[str, Any]] = Field(
         default_factory=dict,

@@ -179,8 +179,45 @@ class Comparison:
         return self.difference.excludes(0.0)
 
 
+def seed_model_digest(record) -> str | None:
+    """The sha256 of the weights a run started from (None: not recorded, or no seed model)."""
+    return record.data.digests.get("seed_model") if record.data else None
+
+
+def check_same_seed_model(side_a: Sequence, side_b: Sequence) -> None:
+    """Rows are compared only from the same starting weights: runs from different seed models
+    differ by as much as the methods compared (another CPU trains another seed model)."""
+    digests = {}
+    for side, records in (("A", side_a), ("B", side_b)):
+        found = sorted({d for d in map(seed_model_digest, records) if d is not None})
+        if len(found) > 1:
+            raise UserError(
+                f"the runs of side {side} start from different seed models ({', '.join(found)}): "
+                "rerun them from one"
+            )
+        digests[side] = found[0] if found else None
+    if None not in digests.values() and digests["A"] != digests["B"]:
+        raise UserError(
+            f"A and B start from different seed models (A: {digests['A']}, B: {digests['B']}): "
+            "their WER difference would mix the seed models' with the methods'; rerun both from "
+            "one (`pflbench seed --task TASK` says which one runs start from)"
+        )
+
+
+def unchecked_seed_models(records: Sequence) -> list[str]:
+    """Ids of records whose task has a seed model but which do not name it (written before
+    records held its digest): check_same_seed_model cannot check them."""
+    return [
+        r.record_id
+        for r in records
+        if seed_model_digest(r) is None and ((r.config or {}).get("task") or {}).get("seed_data")
+    ]
+
+
 def compare_records(side_a: Sequence, side_b: Sequence, eval_sets: list[str] | None = None, **kw):
-    """Paired comparison of two rows (each one or more seeds) on every eval set both have."""
+    """Paired comparison of two rows (each one or more seeds) on every eval set both have, from
+    the same seed model (check_same_seed_model)."""
+    check_same_seed_model(side_a, side_b)
     common = set.intersection(*(set(r.metrics.final) for r in [*side_a, *side_b]))
     names = sorted(common) if eval_sets is None else eval_sets
     out = []

@@ -1,0 +1,98 @@
+"""What decides a run's numbers besides its code, config and data: the versions of the packages
+that compute them and the CPU kernels torch runs (records and seed-model sidecars state both).
+
+On CPU, float results depend on which code path each library picks for the machine: torch's
+vectorized ATen kernels (by CPU capability, env ATEN_CPU_CAPABILITY), MKL's GEMM branch (by ISA
+and vendor, env MKL_CBWR) and oneDNN's JIT kernels for convolutions and GELU (by ISA, env
+ONEDNN_MAX_CPU_ISA; off with torch.backends.mkldnn.enabled = False). Every one of these changes
+the trained weights on an AVX-512 CPU, so two CPUs that pick different paths train different
+models from the same data (docs/RESULTS.md, "The same numbers on any machine").
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from importlib import metadata
+from pathlib import Path
+
+# Distributions whose versions can change a number: audio decoding and resampling, speech and
+# text synthesis, WER, the accountants (torch's is the record's torch_version).
+NUMERIC_PACKAGES = (
+    "numpy",
+    "scipy",
+    "soundfile",
+    "soxr",
+    "espeakng-loader",
+    "lameenc",
+    "wordfreq",
+    "unidecode",
+    "jiwer",
+    "opacus",
+    "dp-accounting",
+    "prv-accountant",
+)
+# CPU flags that decide the kernels above (a VM's model name is often generic).
+KERNEL_ISA_FLAGS = (
+    "avx",
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512_vnni",
+    "amx_tile",
+)
+
+
+def package_versions() -> dict[str, str | None]:
+    """Version of each of NUMERIC_PACKAGES (None: not installed) and of the native libraries two
+    of them wrap (libsndfile, libsoxr, libespeak-ng)."""
+    versions: dict[str, str | None] = {}
+    for name in NUMERIC_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    import soundfile
+    import soxr
+
+    from pflbench.data.espeak import espeak_version
+
+    versions["libsndfile"] = soundfile.__libsndfile_version__
+    versions["libsoxr"] = getattr(soxr, "__libsoxr_version__", None)
+    versions["libespeak-ng"] = espeak_version()
+    return versions
+
+
+def cpu_kernels() -> dict:
+    """This machine's CPU (model, vendor, the flags in KERNEL_ISA_FLAGS it has) and the kernels
+    torch runs on it: ATen's capability, MKL's and oneDNN's settings, float32 matmul precision."""
+    import torch
+
+    info = _proc_cpuinfo()
+    flags = set(info.get("flags", "").split())
+    return {
+        "model": info.get("model name") or platform.processor() or platform.machine(),
+        "vendor": info.get("vendor_id"),
+        "isa": [flag for flag in KERNEL_ISA_FLAGS if flag in flags],
+        "aten_capability": torch.backends.cpu.get_cpu_capability(),
+        "mkl_cbwr": os.environ.get("MKL_CBWR"),
+        "onednn_enabled": torch.backends.mkldnn.enabled,
+        "onednn_max_cpu_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+    }
+
+
+def _proc_cpuinfo() -> dict[str, str]:
+    """The first processor's fields of /proc/cpuinfo (empty where there is none)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return {}
+    fields: dict[str, str] = {}
+    for line in text.split("\n\n")[0].splitlines():
+        key, sep, value = line.partition(":")
+        if sep:
+            fields[key.strip()] = value.strip()
+    return fields
