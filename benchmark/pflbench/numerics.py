@@ -16,6 +16,15 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
+# Bumped whenever a change to pflbench's own code changes the numbers a run produces from the same
+# config, data and packages. Records state it; the leaderboard marks rows run with an older one
+# stale, with the reason below, and submit files them only with --stale.
+NUMERICS_VERSION = 2
+NUMERICS_CHANGES = {
+    2: "clipping exact in fp32/bf16/fp16 (fp64 norms, a proven margin), LAMB/LARS trust ratios"
+    " from fp64 norms, LARS's ξ = 1e-6, and one keyed-seed function for every random stream",
+}
+
 # Distributions whose versions can change a number: audio decoding and resampling, speech and
 # text synthesis, WER, the accountants (torch's is the record's torch_version).
 NUMERIC_PACKAGES = (

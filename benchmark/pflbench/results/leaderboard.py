@@ -17,8 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pflbench.errors import UserError
+from pflbench.numerics import NUMERICS_CHANGES, NUMERICS_VERSION
 from pflbench.results.groups import render_groups
-from pflbench.results.schema import ResultRecord, load_record
+from pflbench.results.schema import ResultRecord, load_record, record_numerics_version
 from pflbench.results.stats import row_interval
 from pflbench.spec.models import Budget
 from pflbench.spec.resolve import config_json_hash
@@ -40,7 +41,8 @@ HEADER = (
     "clip = each layer clipped to min(‖Δ_h‖, C_h) (paper 002, Definition 3); normalize = when "
     "‖Δ‖ > C every layer rescaled to C_h (the paper authors' code). "
     "📄 rows are copied from papers (source column), not run by pflbench. "
-    "⚠ stale: run on an older task version. "
+    "⚠ stale: run on an older task version (v*N*), or by code whose numerics changed since "
+    f"(numerics v*N*; what changed in v{NUMERICS_VERSION}: {NUMERICS_CHANGES[NUMERICS_VERSION]}). "
     "Checked: *re-scored* = every WER/CER figure was computed again from the run's stored "
     "hypotheses and the eval sets' own references (by `pflbench submit`, and by CI for every "
     "filed record); *re-evaluated* = re-scored, and `pflbench verify` evaluated the final "
@@ -265,6 +267,9 @@ def fmt_baseline(row: Row, current_version: int | None) -> str:
         name += f" (rule: {rule})"
     if current_version is not None and record.task.version != current_version:
         return f"{name} ⚠ stale (v{record.task.version})"
+    numerics = record_numerics_version(record)
+    if numerics != NUMERICS_VERSION:
+        return f"{name} ⚠ stale (numerics v{numerics})"
     return name
 
 

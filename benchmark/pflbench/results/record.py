@@ -15,7 +15,7 @@ import torch
 from pflbench import __version__
 from pflbench.checkpoint import atomic_write_text, tensors_digest
 from pflbench.evaluate import evaluate_task
-from pflbench.numerics import cpu_kernels, package_versions
+from pflbench.numerics import NUMERICS_VERSION, cpu_kernels, package_versions
 from pflbench.results.schema import (
     RECORD_SCHEMA_VERSION,
     Compute,
@@ -213,6 +213,7 @@ def software_info() -> Software:
         python_version=sys.version.split()[0],
         platform=platform.platform(),
         packages=package_versions(),
+        numerics_version=NUMERICS_VERSION,
     )
 
 

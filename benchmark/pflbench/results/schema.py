@@ -266,6 +266,11 @@ class Software(Strict):
         "number (pflbench.numerics.package_versions; null: not installed). Absent in older "
         "records.",
     )
+    numerics_version: int | None = Field(
+        None,
+        description="pflbench.numerics.NUMERICS_VERSION of the code that ran: bumped when the "
+        "code changes the numbers a run produces. Absent in older records (version 1).",
+    )
 
 
 class DataInfo(Strict):
@@ -431,3 +436,8 @@ def schema_json() -> str:
     schema = ResultRecord.model_json_schema()
     schema["$id"] = f"pflbench-result-record-v{RECORD_SCHEMA_VERSION}"
     return json.dumps(schema, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def record_numerics_version(record: ResultRecord) -> int:
+    """The numerics version a run's code had (records from before it was stated: 1)."""
+    return record.software.numerics_version or 1

@@ -20,10 +20,12 @@ from typing import TYPE_CHECKING
 from pydantic import ValidationError
 
 from pflbench.errors import UserError
+from pflbench.numerics import NUMERICS_CHANGES, NUMERICS_VERSION
 from pflbench.results.schema import (
     ResultRecord,
     load_record,
     read_json_file,
+    record_numerics_version,
     safe_name,
 )
 from pflbench.spec.models import Budget, RunConfig
@@ -126,15 +128,24 @@ def check_run_dir_config(run_dir: Path, record: ResultRecord) -> None:
 def check_task_version(
     record: ResultRecord, registry: Registry, where: str, stale_ok: bool
 ) -> bool:
-    """True when the record's task version is older/newer than the registry's (a stale result)."""
+    """True when the record's task version is older/newer than the registry's, or its code's
+    numerics older than this pflbench's (a stale result)."""
     current = registry.task(record.task.name).spec.version
-    if current == record.task.version:
+    numerics = record_numerics_version(record)
+    if current == record.task.version and numerics == NUMERICS_VERSION:
         return False
     if not stale_ok:
-        raise UserError(
-            f"{where}: task {record.task.name!r} is version {current} in the registry but the run "
-            f"used version {record.task.version}; rerun it, or pass --stale to file it marked stale"
-        )
+        if current != record.task.version:
+            why = (
+                f"task {record.task.name!r} is version {current} in the registry but the run "
+                f"used version {record.task.version}"
+            )
+        else:
+            why = (
+                f"the run's code computed numbers as numerics version {numerics}, this pflbench "
+                f"as {NUMERICS_VERSION} ({NUMERICS_CHANGES.get(NUMERICS_VERSION, '')})"
+            )
+        raise UserError(f"{where}: {why}; rerun it, or pass --stale to file it marked stale")
     return True
 
 
