@@ -40,28 +40,28 @@ def _print_plots(report) -> None:
         console.print(f"[yellow]skipped[/] {why}", highlight=False)
 
 
-def _validity_report(records, registry, task: str, against: str):
-    from pflbench.results.validity import validity_report
+def _validity_reports(records, registry, task: str, tables: list[str] | None = None):
+    from pflbench.results.validity import validity_reports
 
     spec = registry.tasks[task].spec if task in registry.tasks else None
-    return validity_report(
+    return validity_reports(
         records,
         task,
-        against,
         {name: loaded.spec for name, loaded in registry.budgets.items()},
         task_budgets=spec.budgets if spec is not None else None,
         task_version=spec.version if spec is not None else None,
+        tables=tables,
     )
 
 
 def _validity_sections(records, registry) -> dict[str, str]:
     """The validity report of each embedded task with records, for its leaderboard section."""
-    from pflbench.results.validity import VALIDITY_PAIRS, render_validity
+    from pflbench.results.validity import VALIDITY_TABLES, render_validity
 
     tasks = {r.task.name for r in records}
     return {
-        task: render_validity(_validity_report(records, registry, task, against))
-        for task, against in VALIDITY_PAIRS.items()
+        task: render_validity(_validity_reports(records, registry, task))
+        for task in VALIDITY_TABLES
         if task in tasks
     }
 
@@ -186,41 +186,71 @@ def register(app: typer.Typer) -> None:
     @app.command("validity")
     def validity(
         task: str = typer.Option(..., "--task", help="The embedded task."),
-        against: str = typer.Option(..., "--against", help="The paper task it stands for."),
+        table: list[str] = typer.Option(
+            None, "--table", help='Only this paper table, e.g. "002 Table 9" (repeatable).'
+        ),
         results: Path = ResultsOption,
         specs: list[Path] = SpecsOption,
         as_json: bool = JsonOption,
     ) -> None:
-        """Kendall τ between the embedded task's ranking of (baseline, budget) and the paper's
-        Table 1 ranking, with every pair's agreement (also a section of leaderboard.md)."""
+        """Kendall τ between the embedded task's ranking of configurations and each paper table
+        whose configurations it runs, with every pair's agreement (also in leaderboard.md)."""
         from pflbench.results.leaderboard import load_results
-        from pflbench.results.validity import render_validity
+        from pflbench.results.validity import VALIDITY_TABLES, render_validity
 
-        report = _validity_report(load_results(results), _registry(specs), task, against)
+        known = [spec.name for spec in VALIDITY_TABLES.get(task, ())]
+        if not known:
+            raise UserError(
+                f"--task {task!r}: no paper tables to validate it against (embedded tasks: "
+                f"{', '.join(VALIDITY_TABLES)})"
+            )
+        unknown = [name for name in table or [] if name not in known]
+        if unknown:
+            raise UserError(f"--table {unknown[0]!r}: not one of {', '.join(known)}")
+        reports = _validity_reports(load_results(results), _registry(specs), task, table or None)
         if not as_json:
-            typer.echo(render_validity(report), nl=False)
+            typer.echo(render_validity(reports), nl=False)
             return
+
+        def interval(p):
+            i = p.embedded_interval
+            return None if i is None else [i.low, i.high]
+
         print_json(
-            {
-                "task": task,
-                "against": against,
-                "kendall_tau_b": report.tau,
-                "configurations": [
-                    {
-                        "baseline": c[0],
-                        "budget": c[1],
-                        "embedded_budget": report.embedded_budget[c],
-                        "paper_wer": report.paper_wer[c],
-                        "embedded_wer": report.embedded_wer[c],
-                        "seeds": report.seeds[c],
-                    }
-                    for c in report.common
-                ],
-                "pairs": [
-                    {"a": list(p.first), "b": list(p.second), "agreement": p.agreement}
-                    for p in report.pairs
-                ],
-            }
+            [
+                {
+                    "task": task,
+                    "paper": r.spec.paper,
+                    "table": r.spec.table,
+                    "against": r.spec.against,
+                    "question": r.spec.question,
+                    "kendall_tau_b": r.tau,
+                    "configurations": [
+                        {
+                            "baseline": c[0],
+                            "budget": c[1],
+                            "cohort": c[2],
+                            "embedded_budget": r.embedded_budget[c],
+                            "paper_wer": r.paper_wer[c],
+                            "embedded_wer": r.embedded_wer[c],
+                            "seeds": len(r.embedded_runs[c]),
+                        }
+                        for c in r.common
+                    ],
+                    "pairs": [
+                        {
+                            "a": list(p.first),
+                            "b": list(p.second),
+                            "agreement": p.agreement,
+                            "paper_difference": p.paper_difference,
+                            "embedded_difference": p.embedded_difference,
+                            "embedded_ci95": interval(p),
+                        }
+                        for p in r.pairs
+                    ],
+                }
+                for r in reports
+            ]
         )
 
     group = typer.Typer(help="Work with the records in results/.", no_args_is_help=True)
@@ -254,6 +284,42 @@ def register(app: typer.Typer) -> None:
             if record.kind == "run":
                 stale += validate_record(record, raw, registry, str(path), stale_ok=True)
         console.print(f"{len(found)} records valid ({stale} stale)", highlight=False)
+
+    @group.command("paper")
+    def paper(
+        results: Path = ResultsOption,
+        check: bool = typer.Option(
+            False, "--check", help="Write nothing; exit 1 when a record is missing or differs."
+        ),
+        specs: list[Path] = SpecsOption,
+    ) -> None:
+        """Write results/paper/<id>.json, the papers' reference rows, from results/paper/tables.yaml
+        (every table's configurations: reference rows, repeats of another table's, and the ones
+        no pflbench task runs, with why)."""
+        from pflbench.results.paper import sync_paper_records
+
+        sync = sync_paper_records(results, _registry(specs), write=not check)
+        for name, counts in sync.built.counts.items():
+            console.print(
+                f"{name}: {counts['reference']} reference rows, {counts['same as']} printed again"
+                f" from another table, {counts['not mapped']} not mapped",
+                highlight=False,
+            )
+        for path in sync.written:
+            console.print(f"wrote {path}", highlight=False)
+        if sync.extra:
+            raise UserError(
+                "not from tables.yaml (add them there or delete them): "
+                + ", ".join(str(p) for p in sync.extra)
+            )
+        if check and sync.differing:
+            err_console.print(
+                f"{len(sync.differing)} reference records missing or out of date (e.g. "
+                f"{sync.differing[0]}): run `pflbench results paper`",
+                highlight=False,
+            )
+            raise typer.Exit(1)
+        console.print(f"{len(sync.built.records)} reference records current", highlight=False)
 
     @group.command("schema")
     def schema(
