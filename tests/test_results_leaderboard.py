@@ -108,9 +108,14 @@ def test_cli_check_exits_nonzero_when_stale(tmp_path, monkeypatch):
     root = copy_golden(tmp_path)
     out = tmp_path / "leaderboard.md"
     runner = CliRunner()
-    args = ["--results", str(root), "--output", str(out)]
+    figures = tmp_path / "figures"
+    args = ["--results", str(root), "--output", str(out), "--figures", str(figures)]
     assert runner.invoke(app, ["leaderboard", "--check", *args]).exit_code == 1  # missing
     assert runner.invoke(app, ["leaderboard", *args]).exit_code == 0
+    assert runner.invoke(app, ["leaderboard", "--check", *args]).exit_code == 1  # no figures
+    assert (
+        runner.invoke(app, ["plot", "--results", str(root), "--out", str(figures)]).exit_code == 0
+    )
     assert runner.invoke(app, ["leaderboard", "--check", *args]).exit_code == 0
     first = out.read_bytes()
     assert runner.invoke(app, ["leaderboard", *args]).exit_code == 0

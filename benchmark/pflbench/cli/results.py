@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -18,6 +19,7 @@ from pflbench.errors import UserError
 
 ResultsOption = typer.Option(Path("results"), "--results", help="The results folder.")
 LEADERBOARD_FILE = Path("leaderboard.md")
+FIGURES_DIR = Path("docs/figures")
 
 
 def _registry(specs: list[Path] | None):
@@ -36,8 +38,30 @@ def _split(text: str, what: str) -> list[str]:
 def _print_plots(report) -> None:
     for path in report.written:
         console.print(f"wrote {path}", highlight=False)
+    for path in report.removed:
+        console.print(f"removed {path}", highlight=False)
     for why in report.skipped:
         console.print(f"[yellow]skipped[/] {why}", highlight=False)
+
+
+def _figure_specs(registry) -> tuple[dict, dict]:
+    """(budget name -> Budget, task -> its declared budgets): what the figures need of specs."""
+    budgets = {name: loaded.spec for name, loaded in registry.budgets.items()}
+    declared = {name: loaded.spec.budgets for name, loaded in registry.tasks.items()}
+    return budgets, declared
+
+
+def _fail_on_stale_figures(figures, folder: Path) -> None:
+    from pflbench.results.figures import stale_figures
+
+    problems = stale_figures(figures, folder)
+    if problems:
+        err_console.print(
+            f"{len(problems)} figures in {folder} are missing or stale (run `pflbench plot`):\n  "
+            + "\n  ".join(problems),
+            highlight=False,
+        )
+        raise typer.Exit(1)
 
 
 def _validity_reports(records, registry, task: str, tables: list[str] | None = None):
@@ -94,18 +118,25 @@ def register(app: typer.Typer) -> None:
         console.print(
             f"accepted {accepted.record.record_id} → {accepted.path}{note}", highlight=False
         )
-        console.print("run `pflbench leaderboard` to update leaderboard.md")
+        console.print("run `pflbench plot` and `pflbench leaderboard` to update leaderboard.md")
 
     @app.command("leaderboard")
     def leaderboard(
         results: Path = ResultsOption,
         output: Path = typer.Option(LEADERBOARD_FILE, "--output", help="The file to write."),
+        figures: Path = typer.Option(
+            FIGURES_DIR, "--figures", help="The figures folder (`pflbench plot --out`)."
+        ),
         check: bool = typer.Option(
-            False, "--check", help="Write nothing; exit 1 when the file is not up to date."
+            False,
+            "--check",
+            help="Write nothing; exit 1 when the file or a figure it embeds is not up to date.",
         ),
         specs: list[Path] = SpecsOption,
     ) -> None:
-        """Regenerate leaderboard.md from results/ (byte-identical for the same records)."""
+        """Regenerate leaderboard.md from results/ (byte-identical for the same records); it
+        embeds the figures `pflbench plot` writes."""
+        from pflbench.results.figures import all_result_figures, figure_links, stale_figures
         from pflbench.results.leaderboard import (
             leaderboard_is_current,
             load_results,
@@ -114,11 +145,15 @@ def register(app: typer.Typer) -> None:
 
         registry = _registry(specs)
         records = load_results(results)
+        budgets, declared = _figure_specs(registry)
+        drawn, _ = all_result_figures(records, budgets, declared)
+        links = figure_links(drawn, Path(os.path.relpath(figures, output.parent)).as_posix())
+        validity = _validity_sections(records, registry)
         text = render_leaderboard(
             records,
             {name: loaded.spec.version for name, loaded in registry.tasks.items()},
-            {name: loaded.spec for name, loaded in registry.budgets.items()},
-            _validity_sections(records, registry),
+            budgets,
+            {t: "\n".join(filter(None, (links.get(t), validity.get(t)))) for t in links | validity},
         )
         if check:
             if not leaderboard_is_current(output, text):
@@ -127,10 +162,13 @@ def register(app: typer.Typer) -> None:
                     highlight=False,
                 )
                 raise typer.Exit(1)
-            console.print(f"{output} is up to date", highlight=False)
+            _fail_on_stale_figures(drawn, figures)
+            console.print(f"{output} and its figures are up to date", highlight=False)
             return
         output.write_text(text, encoding="utf-8")
         console.print(f"wrote {output}", highlight=False)
+        if stale_figures(drawn, figures):
+            console.print(f"[yellow]figures in {figures} are stale:[/] run `pflbench plot`")
 
     @app.command("compare")
     def compare(
@@ -340,18 +378,32 @@ def register(app: typer.Typer) -> None:
         run: list[Path] = typer.Option(
             None, "--run", help="A run folder: also plot its layer norms and training curves."
         ),
-        out: Path = typer.Option(Path("plots"), "--out", help="Where the figures go."),
+        out: Path = typer.Option(
+            FIGURES_DIR, "--out", help="Where the figures go (leaderboard.md embeds docs/figures)."
+        ),
+        check: bool = typer.Option(
+            False, "--check", help="Draw nothing; exit 1 when a figure is missing or stale."
+        ),
         specs: list[Path] = SpecsOption,
     ) -> None:
-        """Figures (PNG + SVG) from results/ and from run logs."""
+        """Result figures (PNG, one question each, with a manifest of their data digests) from
+        results/, and figures of run logs (under OUT/runs)."""
+        from pflbench.results.figures import all_result_figures
         from pflbench.results.leaderboard import load_results
         from pflbench.results.plots import plot_results, plot_run
 
         records = load_results(results)
         if task is not None and task not in {r.task.name for r in records}:
             raise UserError(f"--task {task!r}: no records of this task in {results}")
-        budgets = {name: loaded.spec for name, loaded in _registry(specs).budgets.items()}
-        report = plot_results(records, out, task, budgets)
+        budgets, declared = _figure_specs(_registry(specs))
+        if check:
+            if task is not None or run:
+                raise UserError("--check checks every result figure: give no --task or --run")
+            figures, _ = all_result_figures(records, budgets, declared)
+            _fail_on_stale_figures(figures, out)
+            console.print(f"{len(figures)} figures in {out} are up to date", highlight=False)
+            return
+        report = plot_results(records, out, task, budgets, declared)
         for run_dir in run or []:
             plot_run(run_dir, out / "runs", report)
         _print_plots(report)
@@ -424,7 +476,8 @@ def register(app: typer.Typer) -> None:
 
         todo = sum(not run.done for run in plan)
         console.print(f"{len(plan)} runs, {todo} to run, {jobs} at a time", highlight=False)
-        report = run_sweep(plan, out / grid.task / "plots", jobs, on_done)
+        budgets, declared = _figure_specs(registry)
+        report = run_sweep(plan, out / grid.task / "plots", jobs, on_done, budgets, declared)
         console.print(
             f"{len(report.finished)} finished, {len(report.skipped)} already done, "
             f"{len(report.failed)} failed",
