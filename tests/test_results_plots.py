@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import matplotlib.image
+import matplotlib.pyplot as plt
 import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
@@ -16,8 +17,9 @@ from typer.testing import CliRunner
 from pflbench.cli import app
 from pflbench.errors import UserError
 from pflbench.results.export import export_parquet
+from pflbench.results.figures import MANIFEST, all_result_figures, stale_figures
 from pflbench.results.leaderboard import load_results
-from pflbench.results.plots import plot_results, plot_run
+from pflbench.results.plots import draw, plot_results, plot_run
 from pflbench.results.sweep import (
     PlannedRun,
     load_sweep_file,
@@ -25,6 +27,7 @@ from pflbench.results.sweep import (
     plan_sweep_file,
     run_sweep,
 )
+from pflbench.spec.registry import load_registry
 
 REPO = Path(__file__).parents[1]
 GOLDEN = Path(__file__).parent / "fixtures" / "results" / "golden" / "results"
@@ -38,35 +41,166 @@ def paper_results(tmp_path) -> Path:
     return root
 
 
-def assert_image(path: Path) -> None:
+FEW_TASKS = ("cv-en-ls100-seed", "cv-en90-cv10-seed", "cv-fr90-cv10-seed")
+
+
+@pytest.fixture
+def few_paper_results(tmp_path) -> Path:
+    """The repository's paper reference rows of three tasks (drawing all tasks' takes long)."""
+    root = tmp_path / "few-paper-results"
+    (root / "paper").mkdir(parents=True)
+    for path in (REPO / "results" / "paper").glob("*.json"):
+        if json.loads(path.read_text())["task"]["name"] in FEW_TASKS:
+            shutil.copy(path, root / "paper" / path.name)
+    return root
+
+
+def assert_image(path: Path, size=(500, 800)) -> None:
     pixels = matplotlib.image.imread(path)
-    assert pixels.shape[:2] == (500, 800)  # FIGSIZE × DPI
+    if size is not None:
+        assert pixels.shape[:2] == size
     assert pixels[..., :3].std() > 0.05  # something is drawn, not a blank canvas
-    svg = path.with_suffix(".svg").read_text()
-    assert svg.lstrip().startswith("<?xml") and "<svg" in svg and "Date" not in svg
 
 
-def test_result_plots_from_paper_rows(tmp_path, paper_results):
-    report = plot_results(load_results(paper_results), tmp_path / "a")
-    names = sorted(p.name for p in report.written)
-    assert names == sorted(
-        f"cv-en-ls100-seed-{kind}.{ext}"
-        for kind in ("wer-vs-sigma", "privacy-utility", "wer-vs-cohort")
-        for ext in ("png", "svg")
-    )
+@pytest.fixture(scope="module")
+def specs():
+    registry = load_registry()
+    budgets = {name: loaded.spec for name, loaded in registry.budgets.items()}
+    return budgets, {name: loaded.spec.budgets for name, loaded in registry.tasks.items()}
+
+
+QUESTIONS = ("wer-vs-epsilon", "dp-cost-by-clipping", "wer-vs-cohort", "server-optimizers")
+
+
+def test_result_figures_from_paper_rows(tmp_path, few_paper_results, specs):
+    report = plot_results(load_results(few_paper_results), tmp_path / "a", None, *specs)
+    names = {p.name for p in report.written}
+    assert {f"cv-en-ls100-seed-{q}.png" for q in QUESTIONS[:3]} <= names
+    assert "cv-en90-cv10-seed-server-optimizers.png" in names  # 002 Table 9
+    assert "cv-fr90-cv10-seed-wer-vs-epsilon.png" in names  # 002 Table 18
     for path in report.written:
-        if path.suffix == ".png":
-            assert_image(path)
-    again = plot_results(load_results(paper_results), tmp_path / "b")
-    for first, second in zip(report.written, again.written, strict=True):
-        assert first.read_bytes() == second.read_bytes(), f"{first.name} is not deterministic"
+        assert_image(path, size=None)
+    manifest = json.loads((tmp_path / "a" / MANIFEST).read_text())
+    assert set(manifest) == {p.stem for p in report.written}
+    again = plot_results(load_results(few_paper_results), tmp_path / "a", None, *specs)
+    assert again.written == [] and again.removed == []  # nothing changed: nothing drawn
 
 
-def test_missing_data_is_reported_not_drawn(tmp_path):
+def _figures(records, specs):
+    figures, skipped = all_result_figures(records, *specs)
+    return {f.stem: f for f in figures}, skipped
+
+
+def test_each_figure_answers_one_question_per_baseline(paper_results, specs):
+    """Series are baselines (with a reference row's overrides), not clipping modes: no line
+    joins rows of different baselines, and x increases along every line (no zig-zag)."""
+    figures, _ = _figures(load_results(paper_results), specs)
+    clipping = figures["cv-en-ls100-seed-dp-cost-by-clipping"].data["series"]
+    assert [s["label"] for s in clipping] == ["global", "perlayer-dim", "perlayer-uniform"]
+    for figure in figures.values():
+        if figure.kind == "lines":
+            for s in figure.data["series"]:
+                xs = [p[0] for p in s["points"]]
+                assert xs == sorted(set(xs)), (figure.stem, s["label"])
+    levels = {s["label"]: s["level"] for s in clipping}  # the no-DP level of each baseline
+    assert levels["global"][0] == pytest.approx(18.9) and levels["perlayer-dim"] is None
+    epsilon = figures["cv-en-ls100-seed-wer-vs-epsilon"].data
+    assert epsilon["categories"] == ["ε = 4.5", "ε = 7.2", "no DP"]
+    cohort = {s["label"] for s in figures["cv-en-ls100-seed-wer-vs-cohort"].data["series"]}
+    assert {"fedavg", "fedavg (10 local epochs)", "fedavg (T = 4000, 10 local epochs)"} <= cohort
+
+
+def test_runs_with_per_speaker_counts_get_error_bars(specs):
+    """The repository's embedded-task runs carry per-speaker counts: their points have CIs."""
+    records = [r for r in load_results(REPO / "results") if r.kind == "run"]
+    figures, _ = _figures(records, specs)
+    points = [p for f in figures.values() if f.kind in ("lines", "categorical")
+              for panel in (f.data.get("panels") or [f.data]) for s in panel["series"]
+              for p in s["points"]]  # fmt: skip
+    assert points and all(p[2] is not None and p[2] <= p[1] <= p[3] for p in points)
+
+
+def test_styles_are_distinct_and_legends_lie_outside_the_data(tmp_path, paper_results, specs):
+    records = load_results(paper_results) + [
+        r for r in load_results(REPO / "results") if r.kind == "run"
+    ]
+    figures, _ = _figures(records, specs)
+    for figure in figures.values():
+        for panel in figure.data.get("panels") or [figure.data]:
+            found = [tuple(s["style"]) for s in panel.get("series", []) if "style" in s]
+            assert len(found) == len(set(found)), figure.stem
+    for stem in (
+        "synth-cv-en-ls-seed-wer-vs-epsilon",
+        "cv-en-ls100-seed-wer-vs-cohort",
+        "synth-cv-en-ls-seed-server-optimizers",
+        "synth-cv-en-ls-seed-privacy-audit",
+    ):
+        fig = draw(figures[stem])  # fmt: skip
+        fig.canvas.draw()
+        legends = [ax.get_legend() for ax in fig.axes if ax.get_legend()] + fig.legends
+        assert legends, stem
+        for legend in legends:
+            box = legend.get_window_extent()
+            for ax in fig.axes:
+                assert not box.overlaps(ax.get_window_extent()), stem
+        plt.close(fig)
+
+
+def test_missing_data_is_reported_not_drawn(tmp_path, specs):
     records = [r for r in load_results(GOLDEN) if r.task.name == "fx-ls"]
-    report = plot_results(records, tmp_path)
+    report = plot_results(records, tmp_path, None, *specs)
     assert report.written == []
     assert any("no DP results" in why for why in report.skipped)
+
+
+def test_stale_missing_and_extra_figures_are_found_without_drawing(
+    tmp_path, few_paper_results, specs
+):
+    records = load_results(few_paper_results)
+    folder = tmp_path / "figures"
+    plot_results(records, folder, None, *specs)
+    figures, _ = all_result_figures(records, *specs)
+    assert stale_figures(figures, folder) == []
+    changed = [r for r in records if r.record_id != next(
+        r for r in records if r.task.name == "cv-fr90-cv10-seed" and r.budget != "none"
+    ).record_id]  # fmt: skip
+    now, _ = all_result_figures(changed, *specs)
+    assert stale_figures(now, folder) == [  # a DP row of it is gone: both DP figures change
+        f"cv-fr90-cv10-seed-{q}: drawn from other data than the records now give"
+        for q in ("wer-vs-epsilon", "dp-cost-by-clipping")
+    ]
+    (folder / "cv-en-ls100-seed-wer-vs-cohort.png").unlink()
+    (folder / "old-figure.png").write_bytes(b"")
+    assert stale_figures(figures, folder) == [
+        "cv-en-ls100-seed-wer-vs-cohort: missing",
+        "old-figure: no longer a figure of the results",
+    ]
+
+
+def test_leaderboard_check_fails_on_a_missing_or_stale_figure(tmp_path, few_paper_results):
+    runner = CliRunner()
+    folder, board = tmp_path / "figures", tmp_path / "leaderboard.md"
+    common = ["--results", str(few_paper_results)]
+    assert runner.invoke(app, ["plot", *common, "--out", str(folder)]).exit_code == 0
+    args = [*common, "--output", str(board), "--figures", str(folder)]
+    assert runner.invoke(app, ["leaderboard", *args]).exit_code == 0
+    assert (
+        "![cv-en-ls100-seed: test WER vs cohort size](figures/cv-en-ls100-seed-wer-vs-cohort"
+        ".png)" in board.read_text()
+    )
+    assert runner.invoke(app, ["leaderboard", "--check", *args]).exit_code == 0
+    assert runner.invoke(app, ["plot", "--check", *common, "--out", str(folder)]).exit_code == 0
+    manifest = json.loads((folder / MANIFEST).read_text())
+    manifest["cv-en-ls100-seed-wer-vs-cohort"]["digest"] = "0" * 16
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+    result = runner.invoke(app, ["leaderboard", "--check", *args])
+    assert result.exit_code == 1 and "cv-en-ls100-seed-wer-vs-cohort: drawn from other" in (
+        result.output
+    )
+    assert runner.invoke(app, ["plot", "--check", *common, "--out", str(folder)]).exit_code == 1
+    result = runner.invoke(app, ["plot", *common, "--out", str(folder)])  # redraws just that one
+    assert result.output.count("wrote") == 1
+    assert runner.invoke(app, ["leaderboard", "--check", *args]).exit_code == 0
 
 
 def write_metrics(run_dir: Path) -> None:
@@ -101,6 +235,8 @@ def test_run_plots(tmp_path):
     ]
     for path in report.written[::2]:
         assert_image(path)
+        svg = path.with_suffix(".svg").read_text()
+        assert svg.lstrip().startswith("<?xml") and "<svg" in svg and "Date" not in svg
     assert report.skipped == [
         f"my_run: 1 unreadable line(s) in {run_dir / 'metrics.jsonl'} skipped"
     ]
@@ -136,7 +272,8 @@ def test_cli_plot_and_export(tmp_path, paper_results):
             str(paper_results),
         ],
     )
-    assert result.exit_code == 0 and pq.read_table(tmp_path / "r.parquet").num_rows == 16
+    rows = len(list((paper_results / "paper").glob("*.json")))
+    assert result.exit_code == 0 and pq.read_table(tmp_path / "r.parquet").num_rows == rows
 
 
 # ----------------------------------------------------------------------------------------------

@@ -423,7 +423,7 @@ def test_unfinished_run(tmp_path, registry, dp_record):
 
 
 def test_reference_rows_cannot_be_submitted(tmp_path, registry):
-    paper = Path(__file__).parents[1] / "results" / "paper" / "table1-global-sigma3e-6.json"
+    paper = Path(__file__).parents[1] / "results" / "paper" / "002-t1-global-eps7.2-high-pop.json"
     record = json.loads(paper.read_text())
     run_dir = tmp_path / "run"
     run_dir.mkdir()

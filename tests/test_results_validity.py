@@ -1,4 +1,4 @@
-"""pflbench validity: Kendall τ-b between an embedded task's ranking and the paper's Table 1."""
+"""pflbench validity: Kendall τ-b between an embedded task's ranking and each paper table's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,14 @@ import pytest
 from scipy.stats import kendalltau
 
 from pflbench.results.leaderboard import load_results
-from pflbench.results.validity import kendall_tau_b, render_validity, validity_report
+from pflbench.results.schema import Citation, PrivacyClaim
+from pflbench.results.validity import (
+    PaperTable,
+    kendall_tau_b,
+    render_table_report,
+    render_validity,
+    table_report,
+)
 from pflbench.spec.models import Budget
 
 GOLDEN = Path(__file__).parent / "fixtures" / "results" / "golden" / "results"
@@ -48,31 +55,51 @@ def _template(kind: str):
     return next(r for r in load_results(GOLDEN) if r.kind == kind)
 
 
-def paper_row(baseline: str, budget: str, wer: float, table: str = "Table 1"):
+PAPER = "A fixture paper"
+TABLE_1 = PaperTable(PAPER, "Table 1", "paper-task", "noise × clipping", "default")
+COHORTS = PaperTable(PAPER, "Table 16", "paper-task", "cohort size", "absolute")
+
+
+def paper_row(baseline, budget, wer, table="Table 1", overrides=None, also=(), cohort=None):
     t = _template("reference")
     final = {"cv-test": t.metrics.final[next(iter(t.metrics.final))].model_copy(
         update={"role": "test", "wer": wer})}  # fmt: skip
+    provenance = t.provenance.model_copy(update={
+        "table": table, "overrides": overrides or {},
+        "also": [Citation(paper=PAPER, table=name, row="r") for name in also]})  # fmt: skip
+    privacy = None
+    if cohort is not None:  # a federated reference row states its cohort in its claim
+        simulated = {"population": 1000, "cohort": cohort, "steps": 1, "epsilon": {},
+                     "sampling_rate": cohort / 1000, "noise_multiplier": 0.0}  # fmt: skip
+        privacy = {"dp": False, "simulated": simulated}
     return t.model_copy(
         update={
             "task": t.task.model_copy(update={"name": "paper-task", "version": 1}),
             "baseline": baseline,
             "budget": budget,
-            "provenance": t.provenance.model_copy(update={"table": table}),
+            "provenance": provenance,
             "metrics": t.metrics.model_copy(update={"final": final}),
+            "privacy": None if privacy is None else PrivacyClaim.model_validate(privacy),
         }
     )
 
 
-def run_row(baseline: str, budget: str, wer: float, version: int = 3, overrides=None):
+def run_row(baseline, budget, wer, version=3, overrides=None, speakers=None):
+    """speakers: per-speaker (errors, words) on cv-test; the WER is then theirs."""
     t = _template("run")
     test = next(r for r in t.metrics.final.values() if r.role == "test")
-    final = {"cv-test": test.model_copy(update={"wer": wer})}
+    if speakers is not None:
+        wer = sum(e for e, _ in speakers.values()) / sum(n for _, n in speakers.values())
+    final = {"cv-test": test.model_copy(update={"wer": wer, "speakers": speakers})}
+    cohort = int((overrides or {}).get("federated.cohort_size", 16))
+    recipe = {**t.config["recipe"], "federated": {**t.config["recipe"]["federated"],
+                                                  "cohort_size": cohort}}  # fmt: skip
     return t.model_copy(
         update={
             "task": t.task.model_copy(update={"name": "embedded", "version": version}),
             "baseline": baseline,
             "budget": budget,
-            "config": {**t.config, "overrides": overrides or {}},
+            "config": {**t.config, "recipe": recipe, "overrides": overrides or {}},
             "metrics": t.metrics.model_copy(update={"final": final}),
         }
     )
@@ -82,8 +109,10 @@ def records():
     return [
         paper_row("seed-only", "none", 0.61),
         paper_row("global", "eps7.2-high-pop", 0.31),
-        paper_row("perlayer-dim", "eps7.2-high-pop", 0.20),
+        paper_row("perlayer-dim", "eps7.2-high-pop", 0.20, table="Table 17", also=["Table 1"]),
         paper_row("perlayer-uniform", "none", 0.19),
+        # the same configuration at another clip bound: more overrides, left out
+        paper_row("perlayer-uniform", "none", 0.10, overrides={"privacy.clip_bound": "1.0"}),
         paper_row("fedavg", "none", 0.29, table="Table 4"),  # not Table 1: left out
         run_row("seed-only", "none", 0.70),
         run_row("seed-only", "none", 0.72),
@@ -91,52 +120,113 @@ def records():
         run_row("perlayer-dim", "eps7.2-m", 0.44),  # swapped with perlayer-uniform/none
         run_row("perlayer-uniform", "none", 0.46),
         run_row("perlayer-uniform", "none", 0.40),
-        # left out: a --set variant, an older task version, an undeclared DP budget
-        run_row("global", "eps7.2-m", 0.01, overrides={"recipe.federated.cohort_size": "32"}),
+        # left out: a --set variant, an older task version, an undeclared DP budget, another cohort
+        run_row("global", "eps7.2-m", 0.01, overrides={"federated.local_steps": "3"}),
         run_row("global", "eps7.2-m", 0.01, version=2),
         run_row("global", "eps7.2-other", 0.01),
+        run_row("global", "eps7.2-m", 0.01, overrides={"federated.cohort_size": "32"}),
     ]
+
+
+def report(recs, spec=TABLE_1):
+    return table_report(recs, "embedded", spec, BUDGETS, ["eps7.2-m"], 3)
 
 
 def test_validity_report_on_hand_made_records_with_a_known_tau():
-    report = validity_report(records(), "embedded", "paper-task", BUDGETS, ["eps7.2-m"], 3)
-    assert report.common == [
-        ("global", "eps7.2-high-pop"),
-        ("perlayer-dim", "eps7.2-high-pop"),
-        ("perlayer-uniform", "none"),
-        ("seed-only", "none"),
+    result = report(records())
+    assert result.common == [
+        ("global", "eps7.2-high-pop", None),
+        ("perlayer-dim", "eps7.2-high-pop", None),  # cited by Table 1 through `also`
+        ("perlayer-uniform", "none", None),
+        ("seed-only", "none", None),
     ]
-    assert report.embedded_wer[("seed-only", "none")] == pytest.approx(0.71)  # mean of 2 seeds
-    assert report.seeds[("perlayer-uniform", "none")] == 2
+    assert result.paper_wer[("perlayer-uniform", "none", None)] == 0.19  # fewest overrides
+    assert [r.provenance.overrides for r, _ in result.left_out] == [{"privacy.clip_bound": "1.0"}]
+    assert result.embedded_wer[("seed-only", "none", None)] == pytest.approx(0.71)  # 2 seeds
+    assert len(result.embedded_runs[("perlayer-uniform", "none", None)]) == 2
     # perlayer-uniform/none averages 0.43 < 0.44: the paper's order for that pair holds; all 6
     # pairs agree.
-    assert report.tau == 1.0
-    swapped = records() + [run_row("perlayer-uniform", "none", 0.50)]  # mean 0.4533 > 0.44
-    report = validity_report(swapped, "embedded", "paper-task", BUDGETS, ["eps7.2-m"], 3)
-    assert report.tau == pytest.approx(4 / 6)
-    assert [p.agreement for p in report.pairs].count("disagree") == 1
-    disagreeing = next(p for p in report.pairs if p.agreement == "disagree")
+    assert result.tau == 1.0
+    swapped = report(records() + [run_row("perlayer-uniform", "none", 0.50)])  # 0.4533 > 0.44
+    assert swapped.tau == pytest.approx(4 / 6)
+    assert [p.agreement for p in swapped.pairs].count("disagree") == 1
+    disagreeing = next(p for p in swapped.pairs if p.agreement == "disagree")
     assert {disagreeing.first[0], disagreeing.second[0]} == {"perlayer-dim", "perlayer-uniform"}
-    text = render_validity(report)
-    assert "Kendall τ-b = 0.667** over 4 configurations (6 pairs)" in text
+    text = render_table_report(swapped)
+    assert "Kendall τ-b = 0.667** over 4 configurations (6 pairs: 5 agree, 1" in text
     assert text.count("| disagree |") == 1 and text.count("| agree |") == 5
-    assert "| perlayer-dim | eps7.2-high-pop | eps7.2-m | 20.00 | 2 | 44.00 (1) | 1 |" in text
+    assert (
+        "| perlayer-dim | eps7.2-high-pop | default | eps7.2-m | 20.00 | 2 | 44.00 (1) | 1 |"
+        in text
+    )
+    summary = render_validity([swapped])  # no per-speaker counts: noise cannot be judged
+    assert (
+        "| A fixture paper Table 1 | noise × clipping | paper-task | 4 | 6 | 5 | 1 | 0 | 0.667 |"
+        in summary
+    )
+
+
+def test_absolute_cohorts_make_the_cohort_part_of_the_configuration():
+    recs = [
+        paper_row("fedavg", "none", 0.29, table="Table 16", cohort=8,
+                  overrides={"federated.cohort_size": "8"}),
+        paper_row("fedavg", "none", 0.26, table="Table 16", cohort=16,
+                  overrides={"federated.cohort_size": "16"}),
+        paper_row("fedavg", "none", 0.24, table="Table 16", cohort=32,
+                  overrides={"federated.cohort_size": "32"}),
+        run_row("fedavg", "none", 0.84, overrides={"federated.cohort_size": "8"}),
+        run_row("fedavg", "none", 0.82),  # the task's own cohort, 16
+        run_row("fedavg", "none", 0.80, overrides={"federated.cohort_size": "32"}),
+    ]  # fmt: skip
+    result = report(recs, COHORTS)
+    assert result.common == [("fedavg", "none", 8), ("fedavg", "none", 16), ("fedavg", "none", 32)]
+    assert result.tau == 1.0
+    assert report(recs, TABLE_1).common == []  # with default cohorts, cohort variants are out
+
+
+def test_a_disagreement_within_noise_is_marked():
+    """Runs scored on the same speakers: a 1-point difference made of per-speaker differences
+    of +12 and -10 points cannot be resolved ('within noise'); a 40-point one is."""
+
+    def counts(errors, swing=0):
+        return {f"s{i}": (errors + (i % 5) * 5 + (swing if i % 2 else -swing + 2 * (swing > 0)),
+                          100) for i in range(20)}  # fmt: skip
+
+    recs = [
+        paper_row("global", "eps7.2-high-pop", 0.31),
+        paper_row("perlayer-dim", "eps7.2-high-pop", 0.20),
+        paper_row("seed-only", "none", 0.61),
+        run_row("global", "eps7.2-m", None, speakers=counts(50)),
+        run_row("perlayer-dim", "eps7.2-m", None, speakers=counts(50, swing=11)),
+        run_row("seed-only", "none", None, speakers=counts(90)),
+    ]
+    assert recs[4].metrics.final["cv-test"].wer - recs[3].metrics.final["cv-test"].wer == (
+        pytest.approx(0.01)
+    )
+    result = report(recs)
+    pair = next(p for p in result.pairs if {p.first[0], p.second[0]} == {"global", "perlayer-dim"})
+    assert pair.agreement == "disagree" and pair.resolved is False
+    assert pair.embedded_interval.low < 0 < pair.embedded_interval.high
+    resolved = [p for p in result.pairs if "seed-only" in (p.first[0], p.second[0])]
+    assert all(p.agreement == "agree" and p.resolved for p in resolved)
+    text = render_validity([result])
+    assert "disagree (within noise)" in text and "| 1 (1 within noise) |" in text
 
 
 def test_validity_needs_two_shared_configurations_and_says_what_is_missing():
     only_paper = [r for r in records() if r.kind == "reference"]
-    report = validity_report(only_paper, "embedded", "paper-task", BUDGETS, ["eps7.2-m"], 3)
-    assert report.tau is None
-    assert "Not enough configurations in common yet (0; need 2)" in render_validity(report)
+    result = report(only_paper)
+    assert result.tau is None
+    assert "Not enough configurations in common (0; need 2)" in render_table_report(result)
 
 
 def test_reversing_the_embedded_ranking_gives_minus_one():
-    paper = [r for r in records() if r.kind == "reference"]
-    wers = {c: 1 - r.metrics.final["cv-test"].wer for c, r in
-            ((r.baseline, r) for r in paper if r.provenance.table == "Table 1")}  # fmt: skip
+    paper = [r for r in records() if r.kind == "reference" and not r.provenance.overrides]
+    paper = [r for r in paper if r.provenance.table != "Table 4"]
     budgets = {"seed-only": "none", "perlayer-uniform": "none"}
-    runs = [run_row(b, budgets.get(b, "eps7.2-m"), w) for b, w in wers.items()]
-    report = validity_report(paper + runs, "embedded", "paper-task", BUDGETS, ["eps7.2-m"], 3)
-    assert len(report.common) == 4 and report.tau == -1.0
-    assert all(p.agreement == "disagree" for p in report.pairs)
-    assert len(list(itertools.combinations(report.common, 2))) == len(report.pairs)
+    runs = [run_row(r.baseline, budgets.get(r.baseline, "eps7.2-m"), 1 - r.metrics.final[
+        "cv-test"].wer) for r in paper]  # fmt: skip
+    result = report(paper + runs)
+    assert len(result.common) == 4 and result.tau == -1.0
+    assert all(p.agreement == "disagree" for p in result.pairs)
+    assert len(list(itertools.combinations(result.common, 2))) == len(result.pairs)

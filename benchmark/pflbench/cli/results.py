@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -24,6 +25,7 @@ DataRootOption = typer.Option(
     "synth-* tasks synthesize theirs into the cache.",
 )
 LEADERBOARD_FILE = Path("leaderboard.md")
+FIGURES_DIR = Path("docs/figures")
 
 
 def _registry(specs: list[Path] | None):
@@ -42,32 +44,54 @@ def _split(text: str, what: str) -> list[str]:
 def _print_plots(report) -> None:
     for path in report.written:
         console.print(f"wrote {path}", highlight=False)
+    for path in report.removed:
+        console.print(f"removed {path}", highlight=False)
     for why in report.skipped:
         console.print(f"[yellow]skipped[/] {why}", highlight=False)
 
 
-def _validity_report(records, registry, task: str, against: str):
-    from pflbench.results.validity import validity_report
+def _figure_specs(registry) -> tuple[dict, dict]:
+    """(budget name -> Budget, task -> its declared budgets): what the figures need of specs."""
+    budgets = {name: loaded.spec for name, loaded in registry.budgets.items()}
+    declared = {name: loaded.spec.budgets for name, loaded in registry.tasks.items()}
+    return budgets, declared
+
+
+def _fail_on_stale_figures(figures, folder: Path) -> None:
+    from pflbench.results.figures import stale_figures
+
+    problems = stale_figures(figures, folder)
+    if problems:
+        err_console.print(
+            f"{len(problems)} figures in {folder} are missing or stale (run `pflbench plot`):\n  "
+            + "\n  ".join(problems),
+            highlight=False,
+        )
+        raise typer.Exit(1)
+
+
+def _validity_reports(records, registry, task: str, tables: list[str] | None = None):
+    from pflbench.results.validity import validity_reports
 
     spec = registry.tasks[task].spec if task in registry.tasks else None
-    return validity_report(
+    return validity_reports(
         records,
         task,
-        against,
         {name: loaded.spec for name, loaded in registry.budgets.items()},
         task_budgets=spec.budgets if spec is not None else None,
         task_version=spec.version if spec is not None else None,
+        tables=tables,
     )
 
 
 def _validity_sections(records, registry) -> dict[str, str]:
     """The validity report of each embedded task with records, for its leaderboard section."""
-    from pflbench.results.validity import VALIDITY_PAIRS, render_validity
+    from pflbench.results.validity import VALIDITY_TABLES, render_validity
 
     tasks = {r.task.name for r in records}
     return {
-        task: render_validity(_validity_report(records, registry, task, against))
-        for task, against in VALIDITY_PAIRS.items()
+        task: render_validity(_validity_reports(records, registry, task))
+        for task in VALIDITY_TABLES
         if task in tasks
     }
 
@@ -109,18 +133,25 @@ def register(app: typer.Typer) -> None:
             f"accepted {accepted.record.record_id} ({checked}) → {accepted.path}{note}",
             highlight=False,
         )
-        console.print("run `pflbench leaderboard` to update leaderboard.md")
+        console.print("run `pflbench plot` and `pflbench leaderboard` to update leaderboard.md")
 
     @app.command("leaderboard")
     def leaderboard(
         results: Path = ResultsOption,
         output: Path = typer.Option(LEADERBOARD_FILE, "--output", help="The file to write."),
+        figures: Path = typer.Option(
+            FIGURES_DIR, "--figures", help="The figures folder (`pflbench plot --out`)."
+        ),
         check: bool = typer.Option(
-            False, "--check", help="Write nothing; exit 1 when the file is not up to date."
+            False,
+            "--check",
+            help="Write nothing; exit 1 when the file or a figure it embeds is not up to date.",
         ),
         specs: list[Path] = SpecsOption,
     ) -> None:
-        """Regenerate leaderboard.md from results/ (byte-identical for the same records)."""
+        """Regenerate leaderboard.md from results/ (byte-identical for the same records); it
+        embeds the figures `pflbench plot` writes."""
+        from pflbench.results.figures import all_result_figures, figure_links, stale_figures
         from pflbench.results.leaderboard import (
             leaderboard_is_current,
             load_result_files,
@@ -131,11 +162,15 @@ def register(app: typer.Typer) -> None:
         registry = _registry(specs)
         files = load_result_files(results)
         records = [record for _, record, _ in files]
+        budgets, declared = _figure_specs(registry)
+        drawn, _ = all_result_figures(records, budgets, declared)
+        links = figure_links(drawn, Path(os.path.relpath(figures, output.parent)).as_posix())
+        validity = _validity_sections(records, registry)
         text = render_leaderboard(
             records,
             {name: loaded.spec.version for name, loaded in registry.tasks.items()},
-            {name: loaded.spec for name, loaded in registry.budgets.items()},
-            _validity_sections(records, registry),
+            budgets,
+            {t: "\n".join(filter(None, (links.get(t), validity.get(t)))) for t in links | validity},
             reevaluated_ids(files),
         )
         if check:
@@ -145,10 +180,13 @@ def register(app: typer.Typer) -> None:
                     highlight=False,
                 )
                 raise typer.Exit(1)
-            console.print(f"{output} is up to date", highlight=False)
+            _fail_on_stale_figures(drawn, figures)
+            console.print(f"{output} and its figures are up to date", highlight=False)
             return
         output.write_text(text, encoding="utf-8")
         console.print(f"wrote {output}", highlight=False)
+        if stale_figures(drawn, figures):
+            console.print(f"[yellow]figures in {figures} are stale:[/] run `pflbench plot`")
 
     @app.command("compare")
     def compare(
@@ -211,41 +249,71 @@ def register(app: typer.Typer) -> None:
     @app.command("validity")
     def validity(
         task: str = typer.Option(..., "--task", help="The embedded task."),
-        against: str = typer.Option(..., "--against", help="The paper task it stands for."),
+        table: list[str] = typer.Option(
+            None, "--table", help='Only this paper table, e.g. "002 Table 9" (repeatable).'
+        ),
         results: Path = ResultsOption,
         specs: list[Path] = SpecsOption,
         as_json: bool = JsonOption,
     ) -> None:
-        """Kendall τ between the embedded task's ranking of (baseline, budget) and the paper's
-        Table 1 ranking, with every pair's agreement (also a section of leaderboard.md)."""
+        """Kendall τ between the embedded task's ranking of configurations and each paper table
+        whose configurations it runs, with every pair's agreement (also in leaderboard.md)."""
         from pflbench.results.leaderboard import load_results
-        from pflbench.results.validity import render_validity
+        from pflbench.results.validity import VALIDITY_TABLES, render_validity
 
-        report = _validity_report(load_results(results), _registry(specs), task, against)
+        known = [spec.name for spec in VALIDITY_TABLES.get(task, ())]
+        if not known:
+            raise UserError(
+                f"--task {task!r}: no paper tables to validate it against (embedded tasks: "
+                f"{', '.join(VALIDITY_TABLES)})"
+            )
+        unknown = [name for name in table or [] if name not in known]
+        if unknown:
+            raise UserError(f"--table {unknown[0]!r}: not one of {', '.join(known)}")
+        reports = _validity_reports(load_results(results), _registry(specs), task, table or None)
         if not as_json:
-            typer.echo(render_validity(report), nl=False)
+            typer.echo(render_validity(reports), nl=False)
             return
+
+        def interval(p):
+            i = p.embedded_interval
+            return None if i is None else [i.low, i.high]
+
         print_json(
-            {
-                "task": task,
-                "against": against,
-                "kendall_tau_b": report.tau,
-                "configurations": [
-                    {
-                        "baseline": c[0],
-                        "budget": c[1],
-                        "embedded_budget": report.embedded_budget[c],
-                        "paper_wer": report.paper_wer[c],
-                        "embedded_wer": report.embedded_wer[c],
-                        "seeds": report.seeds[c],
-                    }
-                    for c in report.common
-                ],
-                "pairs": [
-                    {"a": list(p.first), "b": list(p.second), "agreement": p.agreement}
-                    for p in report.pairs
-                ],
-            }
+            [
+                {
+                    "task": task,
+                    "paper": r.spec.paper,
+                    "table": r.spec.table,
+                    "against": r.spec.against,
+                    "question": r.spec.question,
+                    "kendall_tau_b": r.tau,
+                    "configurations": [
+                        {
+                            "baseline": c[0],
+                            "budget": c[1],
+                            "cohort": c[2],
+                            "embedded_budget": r.embedded_budget[c],
+                            "paper_wer": r.paper_wer[c],
+                            "embedded_wer": r.embedded_wer[c],
+                            "seeds": len(r.embedded_runs[c]),
+                        }
+                        for c in r.common
+                    ],
+                    "pairs": [
+                        {
+                            "a": list(p.first),
+                            "b": list(p.second),
+                            "agreement": p.agreement,
+                            "paper_difference": p.paper_difference,
+                            "embedded_difference": p.embedded_difference,
+                            "embedded_ci95": interval(p),
+                        }
+                        for p in r.pairs
+                    ],
+                }
+                for r in reports
+            ]
         )
 
     group = typer.Typer(help="Work with the records in results/.", no_args_is_help=True)
@@ -315,6 +383,42 @@ def register(app: typer.Typer) -> None:
             highlight=False,
         )
 
+    @group.command("paper")
+    def paper(
+        results: Path = ResultsOption,
+        check: bool = typer.Option(
+            False, "--check", help="Write nothing; exit 1 when a record is missing or differs."
+        ),
+        specs: list[Path] = SpecsOption,
+    ) -> None:
+        """Write results/paper/<id>.json, the papers' reference rows, from results/paper/tables.yaml
+        (every table's configurations: reference rows, repeats of another table's, and the ones
+        no pflbench task runs, with why)."""
+        from pflbench.results.paper import sync_paper_records
+
+        sync = sync_paper_records(results, _registry(specs), write=not check)
+        for name, counts in sync.built.counts.items():
+            console.print(
+                f"{name}: {counts['reference']} reference rows, {counts['same as']} printed again"
+                f" from another table, {counts['not mapped']} not mapped",
+                highlight=False,
+            )
+        for path in sync.written:
+            console.print(f"wrote {path}", highlight=False)
+        if sync.extra:
+            raise UserError(
+                "not from tables.yaml (add them there or delete them): "
+                + ", ".join(str(p) for p in sync.extra)
+            )
+        if check and sync.differing:
+            err_console.print(
+                f"{len(sync.differing)} reference records missing or out of date (e.g. "
+                f"{sync.differing[0]}): run `pflbench results paper`",
+                highlight=False,
+            )
+            raise typer.Exit(1)
+        console.print(f"{len(sync.built.records)} reference records current", highlight=False)
+
     @group.command("schema")
     def schema(
         output: Path = typer.Option(
@@ -334,18 +438,32 @@ def register(app: typer.Typer) -> None:
         run: list[Path] = typer.Option(
             None, "--run", help="A run folder: also plot its layer norms and training curves."
         ),
-        out: Path = typer.Option(Path("plots"), "--out", help="Where the figures go."),
+        out: Path = typer.Option(
+            FIGURES_DIR, "--out", help="Where the figures go (leaderboard.md embeds docs/figures)."
+        ),
+        check: bool = typer.Option(
+            False, "--check", help="Draw nothing; exit 1 when a figure is missing or stale."
+        ),
         specs: list[Path] = SpecsOption,
     ) -> None:
-        """Figures (PNG + SVG) from results/ and from run logs."""
+        """Result figures (PNG, one question each, with a manifest of their data digests) from
+        results/, and figures of run logs (under OUT/runs)."""
+        from pflbench.results.figures import all_result_figures
         from pflbench.results.leaderboard import load_results
         from pflbench.results.plots import plot_results, plot_run
 
         records = load_results(results)
         if task is not None and task not in {r.task.name for r in records}:
             raise UserError(f"--task {task!r}: no records of this task in {results}")
-        budgets = {name: loaded.spec for name, loaded in _registry(specs).budgets.items()}
-        report = plot_results(records, out, task, budgets)
+        budgets, declared = _figure_specs(_registry(specs))
+        if check:
+            if task is not None or run:
+                raise UserError("--check checks every result figure: give no --task or --run")
+            figures, _ = all_result_figures(records, budgets, declared)
+            _fail_on_stale_figures(figures, out)
+            console.print(f"{len(figures)} figures in {out} are up to date", highlight=False)
+            return
+        report = plot_results(records, out, task, budgets, declared)
         for run_dir in run or []:
             plot_run(run_dir, out / "runs", report)
         _print_plots(report)
@@ -418,7 +536,8 @@ def register(app: typer.Typer) -> None:
 
         todo = sum(not run.done for run in plan)
         console.print(f"{len(plan)} runs, {todo} to run, {jobs} at a time", highlight=False)
-        report = run_sweep(plan, out / grid.task / "plots", jobs, on_done)
+        budgets, declared = _figure_specs(registry)
+        report = run_sweep(plan, out / grid.task / "plots", jobs, on_done, budgets, declared)
         console.print(
             f"{len(report.finished)} finished, {len(report.skipped)} already done, "
             f"{len(report.failed)} failed",

@@ -19,12 +19,12 @@ from pathlib import Path
 from pflbench.errors import UserError
 from pflbench.numerics import NUMERICS_CHANGES, NUMERICS_VERSION
 from pflbench.results.groups import render_groups
+from pflbench.results.paper import NOISE_BUDGET_PREFIX, PAPER_DIR
 from pflbench.results.schema import ResultRecord, load_record, record_numerics_version
 from pflbench.results.stats import row_interval
 from pflbench.spec.models import Budget
 from pflbench.spec.resolve import config_json_hash
 
-PAPER_DIR = "paper"
 SCHEMA_FILE = "schema.json"
 VERIFICATION_FILE = "verification.json"  # `pflbench verify`'s stamp (results/verify.py)
 HEADER = (
@@ -277,7 +277,19 @@ def fmt_source(row: Row) -> str:
     p = row.first.provenance
     if p is None:
         return "run"
-    return cell(f"📄 {p.paper}, {p.table}: {p.row}" + (f" ({p.note})" if p.note else ""))
+    return cell(f"📄 {fmt_citation(p)}" + (f" ({p.note})" if p.note else "") + fmt_also(p))
+
+
+def fmt_citation(p) -> str:
+    """paper table: row, column, and the --set overrides that run it (results/paper.py)."""
+    where = f"{p.paper} {p.table}: {p.row}" + (f", {p.column}" if p.column else "")
+    sets = " ".join(f"{key}={value}" for key, value in sorted(p.overrides.items()))
+    return where + (f" [--set {sets}]" if sets else "")
+
+
+def fmt_also(p) -> str:
+    tables = dict.fromkeys(f"{c.paper} {c.table}" for c in p.also)
+    return f"; also in {', '.join(tables)}" if tables else ""
 
 
 def fmt_sigma(record: ResultRecord) -> str:
@@ -374,6 +386,11 @@ def render_audits(records: list[ResultRecord]) -> str:
 
 
 def budget_title(name: str, budget: Budget | None) -> str:
+    if budget is None and paper_noise(name) is not None:
+        return (
+            f"### σ_DP = {name.removeprefix(NOISE_BUDGET_PREFIX)} (`{name}`): a noise level the "
+            "papers ran that no pflbench budget has"
+        )
     if budget is None:
         return f"### budget `{name}` (not in the registry)"
     if not budget.dp:
@@ -389,9 +406,22 @@ def is_dp(name: str, budgets: dict[str, Budget]) -> bool:
 
 
 def budget_order(name: str, budget: Budget | None) -> tuple:
+    """No DP, then DP budgets by ε (largest first), then the papers' other noise levels by σ_DP
+    (smallest first), then unknown names."""
     if budget is None:
-        return (2, 0.0, name)
+        sigma = paper_noise(name)
+        return (2, sigma, name) if sigma is not None else (3, 0.0, name)
     return (int(budget.dp), -(budget.epsilon or 0.0), name)
+
+
+def paper_noise(name: str) -> float | None:
+    """σ_DP of a reference-row budget name `paper-sigma<σ_DP>` (results/paper.py), else None."""
+    if not name.startswith(NOISE_BUDGET_PREFIX):
+        return None
+    try:
+        return float(name.removeprefix(NOISE_BUDGET_PREFIX))
+    except ValueError:
+        return None
 
 
 def render_leaderboard(

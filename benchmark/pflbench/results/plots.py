@@ -1,10 +1,10 @@
-"""Figures from result records and run logs, as PNG and SVG, byte-identical for the same input.
+"""Drawing figures: the result figures results/figures.py computes, and run-log figures.
 
-Result figures (per task): WER vs σ_DP per clipping mode (paper Figs. 12-13), the privacy-utility
-frontier (WER vs ε at the extrapolated scale), WER vs cohort size (Figs. 3-4), and audit ε vs the
-accountant's ε at the simulated scale for privacy-audit runs (not in the WER figures), and
-per-group WER and DP's cost per speaker group (results/groups.py). Run figures
-(from a run's metrics.jsonl): per-layer client-delta norms (Fig. 6) and training curves.
+Result figures are PNGs in a folder with a manifest of the digests of the data each was drawn
+from (results/figures.py); `write_figures` draws only the ones whose data changed.
+
+Run figures (from a run's metrics.jsonl, PNG and SVG, byte-identical for the same input):
+per-layer client-delta norms (Fig. 6) and training curves.
 """
 
 from __future__ import annotations
@@ -21,22 +21,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
-from pflbench.results.groups import (  # noqa: E402
-    dp_pairs,
-    group_eval_set,
-    is_ranked,
-    row_label,
-    rows_with_groups,
+from pflbench.checkpoint import atomic_write_text  # noqa: E402
+from pflbench.results.figures import (  # noqa: E402
+    MANIFEST,
+    MARKERS,
+    PALETTE,
+    Figure,
+    all_result_figures,
+    read_manifest,
 )
-from pflbench.results.leaderboard import (  # noqa: E402
-    Row,
-    cohort_size,
-    epsilon,
-    group_rows,
-    is_audit,
-    is_dp,
-)
-from pflbench.results.schema import ResultRecord, safe_name  # noqa: E402
+from pflbench.results.schema import ResultRecord  # noqa: E402
+from pflbench.spec.models import Budget  # noqa: E402
 
 FIGSIZE = (8.0, 5.0)
 DPI = 100  # → 800 × 500 px PNGs
@@ -54,6 +49,7 @@ STYLE = {
 class PlotReport:
     written: list[Path] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # "figure: why"
+    removed: list[Path] = field(default_factory=list)
 
 
 def save(fig: plt.Figure, out_dir: Path, stem: str, report: PlotReport) -> None:
@@ -73,235 +69,181 @@ def new_figure(title: str, ncols: int = 1) -> tuple[plt.Figure, list[plt.Axes]]:
 
 
 # ----------------------------------------------------------------------------------------------
-# What a row contributes to the result figures
+# Drawing
 
 
-@dataclass(frozen=True)
-class Point:
-    series: str
-    x: float
-    wer_percent: float
-    reference: bool
+def draw(figure: Figure) -> plt.Figure:
+    with plt.rc_context(STYLE):
+        fig = DRAWERS[figure.kind](figure)
+        fig.suptitle(figure.title)
+        return fig
 
 
-def test_sets(records: list[ResultRecord]) -> list[str]:
-    return sorted({n for r in records for n, e in r.metrics.final.items() if e.role == "test"})
+def _errorbar(ax, xs, pts, style, label, linestyle) -> None:
+    """Points [x, y, low, high, seeds] as markers (joined by `linestyle`), each CI as a capped
+    bar from low to high (drawn as given: a CI need not be centred on the mean)."""
+    ax.plot(xs, [p[1] for p in pts], color=style[0], marker=style[1], markersize=7,
+            linestyle=linestyle, label=label)  # fmt: skip
+    bars = [(x, p[2], p[3]) for x, p in zip(xs, pts, strict=True) if p[2] is not None]
+    if bars:
+        bx, low, high = zip(*bars, strict=True)
+        ax.vlines(bx, low, high, color=style[0], linewidth=1.2)
+        ax.plot(bx * 2, low + high, linestyle="none", marker="_", markersize=8, color=style[0])
 
 
-def clipping_mode(record: ResultRecord) -> str:
-    privacy = ((record.config or {}).get("recipe") or {}).get("privacy")
-    if privacy is None:  # a reference row: its baseline names the mode
-        return record.baseline
-    if privacy.get("clipping") == "perlayer":
-        return f"perlayer-{privacy.get('perlayer_mode')}"
-    return privacy.get("clipping", "none")
+def draw_categorical(figure: Figure) -> plt.Figure:
+    """Categories on x (budgets, or budget × cohort groups), series side by side within each."""
+    data = figure.data
+    panels, categories = data["panels"], data["categories"]
+    ratios = [max(len(p["series"]), 3) * max(len(categories), 2) for p in panels]
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(min(2.0 + 0.55 * sum(ratios), 17.0), 6.5), dpi=DPI,
+        layout="constrained", sharey=True, squeeze=False, width_ratios=ratios,
+    )  # fmt: skip
+    for ax, panel in zip(axes[0], panels, strict=True):
+        series = panel["series"]
+        for i, s in enumerate(series):
+            offset = min(0.7, 0.15 * len(series)) * ((i + 0.5) / len(series) - 0.5)
+            xs = [p[0] + offset for p in s["points"]]
+            _errorbar(ax, xs, s["points"], s["style"], s["label"],
+                      "-" if data["connect"] else "none")  # fmt: skip
+        ax.set_xticks(range(len(categories)), categories, fontsize="small")
+        ax.set_xlim(-0.6, len(categories) - 0.4)
+        ax.set(title=panel["title"] if len(panels) > 1 else None)
+        ax.set(xlabel=data["xlabel"] if len(panels) == 1 else None)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncols=2, fontsize="small",
+                  frameon=False, title=_ci_title(panels) if ax is axes[0][0] else None,
+                  title_fontsize="x-small")  # fmt: skip
+    axes[0][0].set_ylabel(data["ylabel"])
+    if len(panels) > 1:
+        fig.supxlabel(data["xlabel"], fontsize="medium")
+    return fig
 
 
-def points(rows: list[Row], sets: list[str], x_of, series_of) -> list[Point]:
-    out = []
-    for row in rows:
-        x, wer = x_of(row.first), row.primary(sets)
-        if x is None or wer is None or not math.isfinite(x) or x <= 0:
-            continue
-        out.append(Point(series_of(row.first), x, 100 * wer, row.first.kind == "reference"))
-    return sorted(out, key=lambda p: (p.series, p.x, p.wer_percent))
-
-
-def sigma_of(record: ResultRecord) -> float | None:
-    privacy = record.privacy
-    return privacy.sigma_dp if privacy is not None and privacy.dp else None
-
-
-def epsilon_ext_of(record: ResultRecord) -> float | None:
-    found = epsilon(record, "extrapolated")
-    return found[0] if found else None
-
-
-def draw_series(ax: plt.Axes, pts: list[Point]) -> None:
-    """One line per series; paper rows as hollow markers, runs filled."""
-    for i, series in enumerate(sorted({p.series for p in pts})):
-        color = f"C{i % 10}"
-        for reference, marker, fill in ((False, "o", color), (True, "s", "none")):
-            sel = [p for p in pts if p.series == series and p.reference == reference]
-            if sel:
-                label = f"{series} (paper)" if reference else series
-                ax.plot(
-                    [p.x for p in sel],
-                    [p.wer_percent for p in sel],
-                    marker=marker,
-                    color=color,
-                    markerfacecolor=fill,
-                    label=label,
-                )
-
-
-def pareto_front(pts: list[Point]) -> list[Point]:
-    """Points no other point beats in both ε (lower) and WER (lower)."""
-    front, best = [], math.inf
-    for p in sorted(pts, key=lambda p: (p.x, p.wer_percent)):
-        if p.wer_percent < best:
-            front.append(p)
-            best = p.wer_percent
-    return front
-
-
-# ----------------------------------------------------------------------------------------------
-# Result figures
-
-
-def plot_task(
-    records: list[ResultRecord], task: str, out_dir: Path, report: PlotReport, budgets=None
-) -> None:
-    safe_name(task, "task name")
-    records = [r for r in records if r.task.name == task]
-    plot_audits([r for r in records if is_audit(r)], task, out_dir, report)
-    records = [r for r in records if not is_audit(r)]  # their models carry canaries
-    rows, sets = group_rows(records), test_sets(records)
-    ylabel = "test WER (%)"
-    plot_groups(rows, task, lambda b: is_dp(b, budgets or {}), out_dir, report)
-
-    pts = points(rows, sets, sigma_of, clipping_mode)
-    if pts:
-        fig, (ax,) = new_figure(f"{task}: WER vs DP noise per clipping mode")
-        draw_series(ax, pts)
-        ax.set(xscale="log", xlabel="σ_DP (noise std of the averaged update / C)", ylabel=ylabel)
-        ax.legend(fontsize="small")
-        save(fig, out_dir, f"{task}-wer-vs-sigma", report)
-    else:
-        report.skipped.append(f"{task}-wer-vs-sigma: no DP results")
-
-    pts = points(rows, sets, epsilon_ext_of, lambda r: r.baseline)
-    if pts:
-        fig, (ax,) = new_figure(f"{task}: privacy-utility frontier")
-        draw_series(ax, pts)
-        front = pareto_front(pts)
-        ax.step(
-            [p.x for p in front],
-            [p.wer_percent for p in front],
-            where="post",
-            color="black",
-            linestyle=":",
-            label="frontier",
-        )
-        ax.set(xscale="log", xlabel="ε at the extrapolated scale", ylabel=ylabel)
-        ax.legend(fontsize="small")
-        save(fig, out_dir, f"{task}-privacy-utility", report)
-    else:
-        report.skipped.append(f"{task}-privacy-utility: no results with a finite ε")
-
-    pts = points(rows, sets, cohort_size, lambda r: f"{r.baseline} / {r.budget}")
-    # Only series run at several cohort sizes say anything about the cohort (a full matrix
-    # has dozens of single-size rows, whose legend would bury the axes).
-    sizes: dict[str, set[float]] = {}
-    for p in pts:
-        sizes.setdefault(p.series, set()).add(p.x)
-    pts = [p for p in pts if len(sizes[p.series]) > 1]
-    if pts:
-        fig, (ax,) = new_figure(f"{task}: WER vs cohort size")
-        draw_series(ax, pts)
-        ax.set(xscale="log", xlabel="cohort size S", ylabel=ylabel)
-        ax.legend(fontsize="small")
-        ax.set_xticks(sorted({p.x for p in pts}))  # ticks at the cohorts run, in plain numbers
+def draw_lines(figure: Figure) -> plt.Figure:
+    """x numeric on a log axis, one line per series; a series' `level` (its value without DP)
+    as a dashed line in its colour. Points at one x are spread a little to keep error bars apart."""
+    data = figure.data
+    series = data["series"]
+    fig, ax = plt.subplots(figsize=(10.0, 5.5), dpi=DPI, layout="constrained")
+    with_ci = _ci_title([data]) is not None  # spread points only to keep error bars apart
+    for i, s in enumerate(series):
+        spread = 1.0 + 0.16 * ((i + 0.5) / len(series) - 0.5) * with_ci
+        _errorbar(ax, [p[0] * spread for p in s["points"]], s["points"], s["style"], s["label"],
+                  "-")  # fmt: skip
+        if s.get("level"):
+            ax.axhline(s["level"][0], color=s["style"][0], linestyle="--", linewidth=1.2)
+    ax.set(xscale="log", xlabel=data["xlabel"], ylabel=data["ylabel"])
+    if data["xticks"]:
+        ax.set_xticks(data["xticks"])  # at the values run, in plain numbers
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
-        save(fig, out_dir, f"{task}-wer-vs-cohort", report)
-    else:
-        report.skipped.append(f"{task}-wer-vs-cohort: no row run at two cohort sizes")
+        if len(data["xticks"]) > 8:  # close on a log axis: slanted, so they do not overlap
+            ax.tick_params(axis="x", labelrotation=45)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False,
+              title=_ci_title([data]), title_fontsize="x-small", alignment="left")  # fmt: skip
+    return fig
 
 
-MAX_GROUP_SERIES = 8  # more dot series than this cannot be told apart
-
-
-def plot_groups(rows: list[Row], task: str, is_dp, out_dir: Path, report: PlotReport) -> None:
-    """Per-group WER (each attribute a panel, each ranked group a column, each row a series)
-    and DP's cost per group (group WER under the budget minus the no-DP partner's)."""
-    eval_set = group_eval_set([r for row in rows for r in row.records])
-    if eval_set is None:
-        report.skipped.append(f"{task}-group-wer: no records with per-group WER")
-        return
-    found = rows_with_groups(rows, eval_set)
-    gaps = [
-        (row, {a: {n: v.wer - base[a][n].wer for n, v in by_name.items() if n in base.get(a, {})}
-               for a, by_name in groups.items()})
-        for row, groups, base in dp_pairs(found, is_dp)
-    ]  # fmt: skip
-    wers = [(row, {a: {n: v.wer for n, v in by_name.items()} for a, by_name in g.items()})
-            for row, g in found]  # fmt: skip
-    ranked: dict[str, set[str]] = {}
-    for _, groups in found:
-        for a, by_name in groups.items():
-            ranked.setdefault(a, set()).update(n for n, v in by_name.items() if is_ranked(n, v))
-    ranked = {a: sorted(names) for a, names in ranked.items()}
-    for stem, series, ylabel in (
-        (f"{task}-group-wer", wers, f"{eval_set} WER (%) of the group"),
-        (f"{task}-group-dp-gap", gaps, "WER under DP − WER without DP (points)"),
-    ):
-        if not series:
-            report.skipped.append(f"{stem}: no rows to draw")
-            continue
-        series = sorted(series, key=lambda t: (-len(t[0].records), t[0].first.baseline,
-                                               t[0].first.budget))[:MAX_GROUP_SERIES]  # fmt: skip
-        attributes = [a for a in sorted(ranked) if ranked[a]]
-        fig, axes = new_figure(
-            f"{task}: {ylabel.split(' (')[0]} per speaker group", len(attributes)
+def _ci_title(panels: list[dict]) -> str | None:
+    """The legend's note on error bars, where any point has a CI."""
+    if any(p[2] is not None for panel in panels for s in panel["series"] for p in s["points"]):
+        return (
+            "error bars: 95% CI over speakers\nand seeds (paired differences are\n"
+            "tighter: pflbench compare)"
         )
-        for ax, attribute in zip(axes, attributes, strict=True):
-            names = ranked[attribute]
-            for i, (row, values) in enumerate(series):
-                ys = [100 * values.get(attribute, {}).get(n, math.nan) for n in names]
-                label = f"{row_label(row.first)} / {row.first.budget} (n={len(row.records)})"
-                ax.plot(range(len(names)), ys, marker="o", color=f"C{i}", alpha=0.8, label=label)
-            ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize="small")
-            ax.set(title=attribute, ylabel=ylabel if ax is axes[0] else None)
-        handles, labels = axes[0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize="x-small")
-        save(fig, out_dir, stem, report)
+    return None
 
 
-def plot_audits(records: list[ResultRecord], task: str, out_dir: Path, report: PlotReport) -> None:
-    """Audit ε (estimate, and lower bound below it) against the accountant's ε at the simulated
-    scale, one series per baseline / budget; the diagonal is where the audit would meet it."""
-    stem = f"{task}-privacy-audit"
-    if not records:
-        report.skipped.append(f"{stem}: no privacy-audit runs")
-        return
-    drawn = []
-    for record in records:
-        found = epsilon(record, "simulated")
-        if found is None or not math.isfinite(found[0]):
-            report.skipped.append(f"{stem}: {record.record_id} has no finite accountant ε")
-            continue
-        drawn.append((f"{record.baseline} / {record.budget}", found[0], record.privacy.audit))
-    if not drawn:
-        return
-    fig, (ax,) = new_figure(f"{task}: empirical privacy audit vs accountant")
-    for i, series in enumerate(sorted({d[0] for d in drawn})):
-        pts = sorted(
-            (x, a.epsilon_estimate, a.epsilon_lower_bound) for s, x, a in drawn if s == series
-        )
+def draw_groups(figure: Figure) -> plt.Figure:
+    data = figure.data
+    attributes = data["attributes"]
+    fig, axes = plt.subplots(1, len(attributes), figsize=(12.0, 6.0), dpi=DPI,
+                             layout="constrained", squeeze=False)  # fmt: skip
+    for ax, (attribute, names) in zip(axes[0], attributes.items(), strict=True):
+        for i, s in enumerate(data["series"]):
+            ys = [math.nan if v is None else v for v in s["values"][attribute]]
+            ax.plot(range(len(names)), ys, marker=MARKERS[i % len(MARKERS)], color=PALETTE[i],
+                    alpha=0.85, label=s["label"])  # fmt: skip
+        ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize="small")
+        ax.set(title=attribute, ylabel=data["ylabel"] if ax is axes[0][0] else None)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside lower center", ncols=2, fontsize="small",
+               frameon=False)  # fmt: skip
+    return fig
+
+
+def draw_audit(figure: Figure) -> plt.Figure:
+    points = figure.data["points"]
+    fig, ax = plt.subplots(figsize=(9.0, 5.5), dpi=DPI, layout="constrained")
+    for i, series in enumerate(sorted({p[0] for p in points})):
+        pts = sorted(p[1:] for p in points if p[0] == series)
         xs = [p[0] for p in pts]
-        ax.scatter(xs, [p[1] for p in pts], color=f"C{i}", marker="o", label=f"{series}: estimate")
-        ax.scatter(xs, [p[2] for p in pts], color=f"C{i}", marker="v", facecolor="none",
+        ax.scatter(xs, [p[1] for p in pts], color=PALETTE[i], marker="o",
+                   label=f"{series}: estimate")  # fmt: skip
+        ax.scatter(xs, [p[2] for p in pts], color=PALETTE[i], marker="v", facecolor="none",
                    label=f"{series}: lower bound")  # fmt: skip
-        ax.vlines(xs, [p[2] for p in pts], [p[1] for p in pts], color=f"C{i}", alpha=0.5)
-    low = min(min(x, a.epsilon_lower_bound or x) for _, x, a in drawn)
-    high = max(max(x, a.epsilon_estimate) for _, x, a in drawn)
+        ax.vlines(xs, [p[2] for p in pts], [p[1] for p in pts], color=PALETTE[i], alpha=0.5)
+    low = min(min(p[1], p[3] or p[1]) for p in points)
+    high = max(max(p[1], p[2]) for p in points)
     ax.plot([low, high], [low, high], color="black", linestyle=":", label="audit = accountant")
     ax.set_yscale("symlog", linthresh=1.0)  # a lower bound of 0 stays on the axis
     ax.set(xscale="log", ylim=(0, 2 * high), xlabel="accountant ε at the simulated scale")
     ax.set(ylabel="audit ε (one run, canaries)")
-    ax.legend(fontsize="small")
-    save(fig, out_dir, stem, report)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
+    return fig
+
+
+DRAWERS = {
+    "categorical": draw_categorical,
+    "lines": draw_lines,
+    "groups": draw_groups,
+    "audit": draw_audit,
+}
+
+
+def write_figures(
+    figures: list[Figure], folder: Path, report: PlotReport, only_task: str | None = None
+) -> None:
+    """Draw the figures whose PNG is missing or whose data changed, delete the ones the manifest
+    lists that are no longer figures (of `only_task`, when given), and rewrite the manifest."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    manifest = read_manifest(folder)
+    kept = {
+        stem: entry
+        for stem, entry in manifest.items()
+        if only_task is not None and (entry or {}).get("task") != only_task
+    }
+    wanted = {f.stem for f in figures}
+    for stem in sorted(set(manifest) - wanted - set(kept)):
+        (folder / f"{stem}.png").unlink(missing_ok=True)
+        report.removed.append(folder / f"{stem}.png")
+    for f in figures:
+        png = folder / f"{f.stem}.png"
+        if png.is_file() and (manifest.get(f.stem) or {}).get("digest") == f.digest:
+            continue
+        fig = draw(f)
+        fig.savefig(png, dpi=DPI, metadata={"Software": None})
+        plt.close(fig)
+        report.written.append(png)
+    entries = {f.stem: {"task": f.task, "title": f.title, "digest": f.digest} for f in figures}
+    text = json.dumps({**kept, **entries}, indent=2, sort_keys=True, ensure_ascii=False) + "\n"
+    atomic_write_text(folder / MANIFEST, text)
 
 
 def plot_results(
-    records: list[ResultRecord], out_dir: Path, task: str | None = None, budgets=None
+    records: list[ResultRecord],
+    out_dir: Path,
+    task: str | None = None,
+    budgets: dict[str, Budget] | None = None,
+    declared: dict[str, list[str]] | None = None,
 ) -> PlotReport:
-    """budgets: name -> Budget, to tell DP budgets from no-DP ones (else: "none" is no DP)."""
-    report = PlotReport()
-    with plt.rc_context(STYLE):
-        for name in sorted({r.task.name for r in records} if task is None else {task}):
-            plot_task(records, name, Path(out_dir), report, budgets)
+    """Every task's result figures (or one task's) as PNGs in out_dir with their manifest.
+    budgets: name -> Budget (ε of each budget; which are DP); declared: task -> its budgets."""
+    figures, skipped = all_result_figures(records, budgets or {}, declared or {}, task)
+    report = PlotReport(skipped=skipped)
+    write_figures(figures, out_dir, report, only_task=task)
     return report
 
 

@@ -40,11 +40,25 @@ class Open(BaseModel):
     model_config = ConfigDict(extra="allow")
 
 
-class Provenance(Strict):
+class Citation(Strict):
+    """Where a paper prints a result: paper ("002", as docs cite the papers), table, row, column."""
+
     paper: str
     table: str
     row: str
+    column: str = ""
+
+
+class Provenance(Citation):
     note: str = ""
+    overrides: dict[str, str] = Field(
+        default_factory=dict,
+        description="The --set overrides (key.path -> value as typed) that a pflbench run of the"
+        " paper's configuration adds to the record's task and baseline.",
+    )
+    also: list[Citation] = Field(
+        default_factory=list, description="Other tables that print the same result."
+    )
 
 
 class TaskRef(Strict):

@@ -159,12 +159,19 @@ def record_counts(record, eval_set: str) -> SpeakerCounts | None:
     return None if result is None or result.speakers is None else dict(result.speakers)
 
 
+_ROW_INTERVALS: dict[tuple, Interval] = {}  # the leaderboard and the figures ask for the same rows
+
+
 def row_interval(records: Sequence, eval_set: str, **kw) -> Interval | None:
-    """The CI of a row (seeds of one configuration), or None unless every seed has counts."""
+    """The CI of a row (seeds of one configuration), or None unless every seed has counts.
+    Memoized on the counts themselves (the bootstrap is deterministic for given counts)."""
     seeds = [record_counts(r, eval_set) for r in records]
     if not seeds or any(c is None for c in seeds):
         return None
-    return wer_interval(seeds, **kw)
+    key = (tuple(tuple(sorted(c.items())) for c in seeds), tuple(sorted(kw.items())))
+    if key not in _ROW_INTERVALS:
+        _ROW_INTERVALS[key] = wer_interval(seeds, **kw)
+    return _ROW_INTERVALS[key]
 
 
 @dataclass(frozen=True)

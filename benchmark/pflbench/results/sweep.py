@@ -130,9 +130,15 @@ def plan_sweep(
 
 
 def run_sweep(
-    plan: list[PlannedRun], plot_dir: Path, jobs: int = 1, on_done=lambda run, code: None
+    plan: list[PlannedRun],
+    plot_dir: Path,
+    jobs: int = 1,
+    on_done=lambda run, code: None,
+    budgets: dict | None = None,
+    declared: dict | None = None,
 ) -> SweepReport:
-    """Run the unfinished runs, `jobs` at a time; `on_done(run, exit_code)` after each."""
+    """Run the unfinished runs, `jobs` at a time; `on_done(run, exit_code)` after each; then
+    plot (budgets, declared: as plots.plot_results takes them)."""
     report = SweepReport(skipped=[run for run in plan if run.done])
     queue = [run for run in plan if not run.done]
     env = dict(os.environ)
@@ -160,15 +166,20 @@ def run_sweep(
         else:
             report.failed.append((run, code))
         on_done(run, code)
-    report.plots = plot_sweep(plan, plot_dir)
+    report.plots = plot_sweep(plan, plot_dir, budgets, declared)
     return report
 
 
-def plot_sweep(plan: list[PlannedRun], plot_dir: Path) -> PlotReport:
+def plot_sweep(
+    plan: list[PlannedRun],
+    plot_dir: Path,
+    budgets: dict | None = None,
+    declared: dict | None = None,
+) -> PlotReport:
     """Result figures over the grid's finished records, and each finished run's own figures."""
     finished = [run for run in plan if run.done]
     records = [load_record(run.run_dir / "record.json")[0] for run in finished]
-    report = plot_results(records, plot_dir) if records else PlotReport()
+    report = plot_results(records, plot_dir, None, budgets, declared) if records else PlotReport()
     for run in finished:
         plot_run(run.run_dir, plot_dir / "runs", report)
     return report
