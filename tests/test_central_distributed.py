@@ -4,6 +4,7 @@ resumed in new processes ends bitwise equal to the uninterrupted one."""
 
 import os
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 from test_central import AUGMENT, RECIPE, tone_store
@@ -12,7 +13,8 @@ from test_fl_distributed import _free_port
 from pflbench.central import batch_shares, train_central
 from pflbench.data.store import FeatureStore, torch_threads
 from pflbench.data.text import tokenizer_for
-from pflbench.fl.distributed import init_from_env, shutdown
+from pflbench.errors import UserError
+from pflbench.fl.distributed import DistContext, init_from_env, shutdown
 from pflbench.model import build_model
 
 # Batches of 2-5 tone utterances, so both ranks train on a share of most of them. SGD, not the
@@ -87,3 +89,31 @@ def test_two_processes_train_the_one_process_seed_model_and_resume_exactly(tmp_p
     for name, value in two["params"].items():
         assert torch.equal(resumed["params"][name], value), name
     assert resumed["stats"]["layer_grad_sq_sums"] == two["stats"]["layer_grad_sq_sums"]
+
+
+def test_multi_process_seed_training_refuses_dropout_and_other_process_counts(tmp_path):
+    """Checked before any collective, so no process group is needed."""
+    store = tone_store(tmp_path / "store")
+    vocab = tokenizer_for("en").size
+    two = DistContext(rank=0, world_size=2)
+    kwargs = dict(device="cpu", seed=3, progress=False)
+    with pytest.raises(UserError, match="dropout and layer_drop 0"):
+        train_central(
+            build_model("tiny", vocab, dropout=0.1), store, RECIPE, AUGMENT, **kwargs, ctx=two
+        )
+    one_step = RECIPE.model_copy(update={"steps": 1})
+    train_central(
+        build_model("tiny", vocab), store, one_step, AUGMENT, **kwargs, resume_dir=tmp_path
+    )
+    with pytest.raises(
+        UserError, match="1-process seed training; resume it with 1 processes, not 2"
+    ):
+        train_central(
+            build_model("tiny", vocab),
+            store,
+            RECIPE,
+            AUGMENT,
+            **kwargs,
+            resume_dir=tmp_path,
+            ctx=two,
+        )

@@ -281,8 +281,8 @@ def train_central(
         tensors, meta = load_checkpoint(last)
         if meta.get("processes", 1) != ctx.world_size:
             raise UserError(
-                f"{last}: saved by a seed training on {meta.get('processes', 1)} processes; "
-                f"resume it with that many, not {ctx.world_size}"
+                f"{last}: written by a {meta.get('processes', 1)}-process seed training; resume "
+                f"it with {meta.get('processes', 1)} processes, not {ctx.world_size}"
             )
         model.load_state_dict(
             {k: v for k, v in tensors.items() if not k.startswith(("optim.", GRAD_SQ))}
