@@ -7,6 +7,11 @@ SpecAugment from step 0; dynamic batches of up to `batch_seconds` of audio.
 Every random choice of step t (batch order of its epoch, SpecAugment masks, dropout, CAPE, layer
 drop) is seeded from (seed, t), so a run resumed from its last checkpoint continues exactly as the
 uninterrupted run would have.
+
+Under torchrun each process trains on its share of every batch (dealt by length, so the shares pad
+alike), with the SpecAugment masks and CAPE positions the whole batch would have; the summed
+gradients are all-reduced, so a step equals the one-process step up to float summation order.
+Dropout and layer drop would draw per process, so multi-process training refuses them.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import os
 import shutil
 import time
 from collections.abc import Iterator
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -37,10 +43,16 @@ from pflbench.checkpoint import (
 )
 from pflbench.data.batching import collate, dynamic_batches
 from pflbench.data.features import spec_augment as apply_spec_augment
-from pflbench.data.store import torch_threads
+from pflbench.data.store import Utterance, torch_threads
 from pflbench.errors import UserError
+from pflbench.fl.distributed import (
+    DistContext,
+    all_reduce_sum,
+    barrier,
+    broadcast_from_main,
+)
 from pflbench.fl.server_optimizers import trust_ratio
-from pflbench.model.transformer import CTCTransformer, build_model, ctc_loss
+from pflbench.model.transformer import CTCTransformer, build_model, cape_positions, ctc_losses
 from pflbench.numerics import cpu_kernels, package_versions
 from pflbench.progress import make_progress
 from pflbench.seeds import keyed_seed
@@ -181,6 +193,13 @@ def epoch_batches(seconds: list[float], recipe: CentralRecipe, seed: int) -> Ite
         epoch += 1
 
 
+def batch_shares(frames: list[int], world_size: int) -> list[list[int]]:
+    """Positions into a batch, per rank: longest first (ties by position) dealt round-robin, so
+    the ranks pad similar lengths and get about the same audio."""
+    order = sorted(range(len(frames)), key=lambda i: (-frames[i], i))
+    return [sorted(order[rank::world_size]) for rank in range(world_size)]
+
+
 # ----------------------------------------------------------------------------------------------
 # Training
 
@@ -188,24 +207,44 @@ def epoch_batches(seconds: list[float], recipe: CentralRecipe, seed: int) -> Ite
 def train_step(
     model: CTCTransformer,
     opt: torch.optim.Optimizer,
-    batch,
+    items: list[Utterance],
     recipe: CentralRecipe,
     augment: SpecAugmentRecipe,
     generator: torch.Generator,
     grad_sq: Tensor,
+    *,
+    device,
+    ctx: DistContext,
 ) -> float:
-    """One step; adds each parameter's squared gradient norm ‖∂L/∂θ_h‖² (before clipping) to
-    `grad_sq` (float64 [H], named_parameters order): layer freezing's scores (paper 003)."""
-    feats = batch.feats
-    if augment.enabled:
-        feats = apply_spec_augment(
-            feats, batch.feat_lens, generator, **augment.model_dump(exclude={"enabled"})
-        )
-    log_probs, out_lens = model(feats, batch.feat_lens)
-    loss = ctc_loss(log_probs, out_lens, batch.targets, batch.target_lens)
+    """One step on the batch `items`, of which this process trains on its share; adds each
+    parameter's squared gradient norm ‖∂L/∂θ_h‖² (before clipping) to `grad_sq` (float64 [H],
+    named_parameters order): layer freezing's scores (paper 003). The loss is the mean over the
+    whole batch of each utterance's CTC loss."""
+    rows = batch_shares([len(u.feats) for u in items], ctx.world_size)[ctx.rank]
+    feat_lens = torch.tensor([len(u.feats) for u in items], dtype=torch.int64)
+    out_lens = model.output_lengths(feat_lens.to(device))
+    # The whole batch's CAPE draws (global RNG) on every rank: each takes its rows.
+    positions = cape_positions(out_lens, int(out_lens.max()), model.cfg, model.training)
     opt.zero_grad(set_to_none=True)
-    loss.backward()
+    loss = torch.zeros((), device=device)
+    if rows:  # a batch of fewer utterances than processes leaves some ranks without any
+        batch = collate([items[i] for i in rows]).to(device)
+        feats = batch.feats
+        if augment.enabled:
+            args = augment.model_dump(exclude={"enabled"})
+            feats = apply_spec_augment(feats, feat_lens, generator, rows=rows, **args)
+        frames = int(model.output_lengths(batch.feat_lens).max())
+        log_probs, share_lens = model(feats, batch.feat_lens, positions[rows, :frames])
+        losses = ctc_losses(log_probs, share_lens, batch.targets, batch.target_lens)
+        loss = losses.sum() / len(items)
+        loss.backward()
     params = list(model.parameters())
+    if ctx.world_size > 1:
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        loss = loss.detach()
+        all_reduce_sum([p.grad for p in params] + [loss])
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
     grad_sq += torch.stack(torch._foreach_norm(grads)).double() ** 2
     nn.utils.clip_grad_norm_(params, recipe.grad_clip)
@@ -235,10 +274,18 @@ def train_central(
     seed: int,
     progress: bool = True,
     resume_dir: Path | None = None,
+    ctx: DistContext = DistContext(),
 ) -> dict:
     """Train `model` in place for recipe.steps steps; returns stats, with the per-parameter sums
     of squared gradient norms over all steps (`layer_grad_sq_sums`). With `resume_dir`, the state
-    is checkpointed there every ~10% of the steps and a previous partial run is continued."""
+    is checkpointed there (by rank 0) every ~10% of the steps and a previous partial run with the
+    same number of processes is continued."""
+    if ctx.world_size > 1 and (model.cfg.dropout > 0 or model.cfg.layer_drop > 0):
+        raise UserError(
+            f"seed training on {ctx.world_size} processes needs model dropout and layer_drop 0 "
+            f"(they are {model.cfg.dropout} and {model.cfg.layer_drop}: each process would draw "
+            "its own); train this seed model with one process"
+        )
     model.to(device).train()
     opt = make_central_optimizer(model.named_parameters(), recipe)
     names = [name for name, _ in model.named_parameters()]
@@ -247,6 +294,11 @@ def train_central(
     last = Path(resume_dir) / LAST if resume_dir else None
     if last and last.is_file() and last.with_suffix(".json").is_file():
         tensors, meta = load_checkpoint(last)
+        if meta.get("processes", 1) != ctx.world_size:
+            raise UserError(
+                f"{last}: written by a {meta.get('processes', 1)}-process seed training; resume "
+                f"it with {meta.get('processes', 1)} processes, not {ctx.world_size}"
+            )
         model.load_state_dict(
             {k: v for k, v in tensors.items() if not k.startswith(("optim.", GRAD_SQ))}
         )
@@ -267,17 +319,22 @@ def train_central(
             torch.manual_seed(keyed_seed(seed, "step", step))  # dropout, CAPE, layer drop
             for group in opt.param_groups:
                 group["lr"] = step_decay_lr(recipe, step)
-            batch = collate([utterances[i] for i in idx]).to(device)
+            items = [utterances[i] for i in idx]
             gen = torch.Generator().manual_seed(keyed_seed(seed, "specaug", step))
-            losses.append(train_step(model, opt, batch, recipe, spec_augment, gen, grad_sq))
+            losses.append(
+                train_step(
+                    model, opt, items, recipe, spec_augment, gen, grad_sq, device=device, ctx=ctx
+                )
+            )
             audio += sum(utterances[i].seconds for i in idx)
             rate = audio / (time.perf_counter() - t0)
             bar.update(task, advance=1, info=f"loss {losses[-1]:7.2f}  {rate:6.1f} s-audio/s")
-            if last and ((step + 1) % save_every == 0 or step + 1 == recipe.steps):
+            saving = last and ((step + 1) % save_every == 0 or step + 1 == recipe.steps)
+            if saving and ctx.is_main:
                 save_checkpoint(
                     last,
                     {**model.state_dict(), **optimizer_tensors(opt), GRAD_SQ: grad_sq},
-                    {"step": step + 1, "seed": seed},
+                    {"step": step + 1, "seed": seed, "processes": ctx.world_size},
                 )
     wall = time.perf_counter() - t0
     tail = losses[-10:]
@@ -327,13 +384,17 @@ def seed_spec(task: Task, recipe: Recipe, seed: int, vocab: list[str]) -> dict:
     }
 
 
-def seed_key(task: Task, recipe: Recipe, seed: int, vocab: list[str], digest: str) -> str:
-    """The key of a seed model trained here: its spec, the seed data's digest, the threads."""
+def seed_key(
+    task: Task, recipe: Recipe, seed: int, vocab: list[str], digest: str, processes: int = 1
+) -> str:
+    """The key of a seed model trained here: its spec, the seed data's digest, the threads, and
+    the processes count above one (float sums differ; one-process keys stay those of caches made
+    before multi-process training)."""
     parts = {
         **seed_spec(task, recipe, seed, vocab),
         "data_digest": digest,
         "cpu_threads": SEED_TRAINING_THREADS,
-    }
+    } | ({"processes": processes} if processes > 1 else {})
     return hashlib.sha256(canonical_json(parts).encode()).hexdigest()
 
 
@@ -366,11 +427,13 @@ def seed_model(
     cache_dir: Path,
     progress: bool = True,
     shipped_dir: Path | None = None,
+    ctx: DistContext = DistContext(),
 ) -> tuple[CTCTransformer, Path | None]:
     """The task's seed model and its checkpoint path (in the cache). With `shipped_dir` and a
     seed model shipped there for this spec (shipped_seed_path), that one, its digest checked;
-    else the one trained for the same spec and seed data, trained and cached when there is none.
-    Tasks without seed data get a freshly initialized (seeded) model and path None."""
+    else the one trained for the same spec and seed data and number of processes, trained (by all
+    ranks of `ctx` together) and cached by rank 0 when there is none. Tasks without seed data get
+    a freshly initialized (seeded) model and path None."""
     model = fresh_model(recipe, data.tokenizer.size, seed)
     if task.seed_data is None or data.seed_train is None:
         return model.to(device), None
@@ -381,11 +444,14 @@ def seed_model(
         loaded, _ = load_model(path, device)
         return loaded, path
     digest = data.seed_train.digest
-    key = seed_key(task, recipe, seed, vocab, digest)
+    key = seed_key(task, recipe, seed, vocab, digest, ctx.world_size)
     folder = Path(cache_dir) / "seeds" / f"{task.name}-{key[:16]}"
     path = folder / "seed.safetensors"
-    with exclusive(folder.with_name(folder.name + ".lock")):
-        if not (path.is_file() and path.with_suffix(".json").is_file()):
+    # Rank 0 holds the lock and decides for all (the others would wait on it forever).
+    lock = exclusive(folder.with_name(folder.name + ".lock")) if ctx.is_main else nullcontext()
+    with lock:
+        cached = path.is_file() and path.with_suffix(".json").is_file()
+        if not broadcast_from_main(cached, ctx):
             with torch_threads(SEED_TRAINING_THREADS):
                 stats = train_central(
                     model,
@@ -396,6 +462,7 @@ def seed_model(
                     seed=seed,
                     progress=progress,
                     resume_dir=folder,
+                    ctx=ctx,
                 )
             meta = {
                 "kind": "seed",
@@ -411,9 +478,11 @@ def seed_model(
                 "tensors_digest": state_digest(model.state_dict()),
                 "numerics": {"packages": package_versions(), "cpu": cpu_kernels()},
             }
-            save_model(path, model, meta)
-            (folder / LAST).unlink(missing_ok=True)
-            (folder / LAST).with_suffix(".json").unlink(missing_ok=True)
+            if ctx.is_main:
+                save_model(path, model, meta)
+                (folder / LAST).unlink(missing_ok=True)
+                (folder / LAST).with_suffix(".json").unlink(missing_ok=True)
+            barrier(ctx)
             return model.eval(), path
     loaded, _ = load_model(path, device)
     return loaded, path

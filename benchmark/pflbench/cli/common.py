@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,36 @@ SpecsOption = typer.Option(
 )
 JsonOption = typer.Option(False, "--json", help="Machine-readable JSON output.")
 DeviceOption = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N.")
+NprocOption = typer.Option(1, "--nproc", min=1, help="Processes to launch via torchrun.")
+
+
+def processes(nproc: int) -> int:
+    """The processes a command runs in: --nproc, or torchrun's WORLD_SIZE under torchrun."""
+    return max(nproc, int(os.environ.get("WORLD_SIZE", "1")))
+
+
+def _torchrun_argv(nproc: int) -> list[str]:
+    """This command again under torchrun, without --nproc (each rank then runs one process)."""
+    args, skip = [], False
+    for arg in sys.argv[1:]:
+        if skip:
+            skip = False
+            continue
+        if arg == "--nproc":
+            skip = True
+            continue
+        if arg.startswith("--nproc="):
+            continue
+        args.append(arg)
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
+    return [*launcher, f"--nproc_per_node={nproc}", "-m", "pflbench", *args]
+
+
+def relaunch_under_torchrun(nproc: int) -> None:
+    """With --nproc N > 1 outside torchrun: run this command again as N torchrun processes and
+    exit with torchrun's status."""
+    if nproc > 1 and "WORLD_SIZE" not in os.environ:
+        sys.exit(subprocess.call(_torchrun_argv(nproc)))
 
 
 def check_device(device: str, processes: int = 1) -> str:

@@ -10,11 +10,14 @@ from rich.table import Table
 from pflbench.cli.common import (
     DeviceOption,
     JsonOption,
+    NprocOption,
     SpecsOption,
     check_device,
     console,
     extra_spec_dirs,
     print_json,
+    processes,
+    relaunch_under_torchrun,
 )
 from pflbench.errors import UserError
 
@@ -95,18 +98,22 @@ def register(app: typer.Typer) -> None:
             "shipped before): runs then start from it on every machine.",
         ),
         as_json: bool = JsonOption,
+        nproc: int = NprocOption,
     ) -> None:
         """Train the task's seed model on this machine (or reuse the one cached), print its
         WER/CER on the task's eval sets, and say whether its weights are those of the seed model
-        shipped with the task, which runs start from."""
+        shipped with the task, which runs start from. With --nproc N (or under torchrun) the N
+        processes share every batch; rank 0 prepares the data, writes the checkpoints and
+        evaluates."""
         from pflbench.spec.registry import load_registry
         from pflbench.spec.resolve import resolve
 
-        device = check_device(device)
+        device = check_device(device, processes=processes(nproc))
         cfg = resolve(load_registry(extra_spec_dirs(specs)), task, "fedavg", "none", seed, sets)
         if cfg.task.seed_data is None:
             console.print(f"task {task!r} has no seed model: it trains from scratch")
             return
+        relaunch_under_torchrun(nproc)
 
         from pflbench.central import (
             compare_with_shipped,
@@ -118,10 +125,17 @@ def register(app: typer.Typer) -> None:
         )
         from pflbench.data.prepare import cache_dir_default, prepare_task
         from pflbench.evaluate import evaluate_sets
+        from pflbench.fl.distributed import barrier, init_from_env, shutdown
 
         set_cpu_threads()
+        ctx = init_from_env(device)
         cache = cache_dir or cache_dir_default()
-        data = prepare_task(cfg.task, data_root=data_root, cache_dir=cache, progress=not as_json)
+        show = not as_json and ctx.is_main
+        data = None
+        for turn in ("main", "others"):  # rank 0 builds the feature caches, the others read them
+            if (turn == "main") == ctx.is_main:
+                data = prepare_task(cfg.task, data_root=data_root, cache_dir=cache, progress=show)
+            barrier(ctx)
         model, path = seed_model(
             cfg.task,
             cfg.recipe,
@@ -129,8 +143,12 @@ def register(app: typer.Typer) -> None:
             seed=seed,
             device=device,
             cache_dir=cache,
-            progress=not as_json,
+            progress=show,
+            ctx=ctx,
         )
+        shutdown()
+        if not ctx.is_main:
+            return
         shipped = shipped_seed_path(
             cfg.task, cfg.recipe, seed, data.tokenizer.vocab, shipped_seed_dir()
         )

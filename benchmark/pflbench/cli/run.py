@@ -3,31 +3,21 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import typer
 
-from pflbench.cli.common import DeviceOption, SpecsOption, check_device, console, extra_spec_dirs
+from pflbench.cli.common import (
+    DeviceOption,
+    NprocOption,
+    SpecsOption,
+    check_device,
+    console,
+    extra_spec_dirs,
+    processes,
+    relaunch_under_torchrun,
+)
 from pflbench.errors import UserError
-
-
-def _torchrun_argv(nproc: int) -> list[str]:
-    """This command again under torchrun, without --nproc (each rank then runs one process)."""
-    args, skip = [], False
-    for arg in sys.argv[1:]:
-        if skip:
-            skip = False
-            continue
-        if arg == "--nproc":
-            skip = True
-            continue
-        if arg.startswith("--nproc="):
-            continue
-        args.append(arg)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    return [*launcher, f"--nproc_per_node={nproc}", "-m", "pflbench", *args]
 
 
 def _percent(result) -> str:
@@ -115,7 +105,7 @@ def register(app: typer.Typer) -> None:
             None, "--data-root", help="Folder with the real corpora (also PFLBENCH_DATA)."
         ),
         specs: list[Path] = SpecsOption,
-        nproc: int = typer.Option(1, "--nproc", min=1, help="Processes to launch via torchrun."),
+        nproc: int = NprocOption,
         parallel_clients: int = typer.Option(
             1,
             "--parallel-clients",
@@ -143,7 +133,7 @@ def register(app: typer.Typer) -> None:
         from pflbench.spec.registry import load_registry
         from pflbench.spec.resolve import default_budget, resolve
 
-        check_device(device, processes=max(nproc, int(os.environ.get("WORLD_SIZE", "1"))))
+        check_device(device, processes=processes(nproc))
         if out is not None and resume is not None and out != resume:
             raise UserError("give either --out or --resume (the run directory to continue)")
         registry = load_registry(extra_spec_dirs(specs))
@@ -153,8 +143,7 @@ def register(app: typer.Typer) -> None:
         budget = budget or default_budget(registry, task, baseline, sets)
         config = resolve(registry, task, baseline, budget, seed, sets)
         check_run_privacy(config)  # before torchrun starts any process
-        if nproc > 1 and "WORLD_SIZE" not in os.environ:
-            sys.exit(subprocess.call(_torchrun_argv(nproc)))
+        relaunch_under_torchrun(nproc)
         run_dir = resume or out or default_run_dir(config)
         run_dir = run(
             config,

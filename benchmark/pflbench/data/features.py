@@ -79,11 +79,17 @@ def spec_augment(
     time_masks: int = 10,
     time_width: int = 50,
     time_ratio: float = 0.1,
+    rows: list[int] | None = None,
 ) -> torch.Tensor:
     """SpecAugment on a padded batch [B, T, F]: `freq_masks` bands of width U[0, freq_width] and
     `time_masks` spans of width U[0, min(time_width, time_ratio·len)], all inside each item's
-    length, set to 0 (the normalized mean). Randomness is drawn on CPU from `generator`."""
-    batch, frames, n_freq = feats.shape
+    length, set to 0 (the normalized mean). Randomness is drawn on CPU from `generator`.
+
+    The masks are drawn for the batch whose lengths are `lens`; `feats` holds its items `rows`
+    (default: all), so a process training on its share of a batch masks its items exactly as
+    one process holding the whole batch would."""
+    batch = lens.shape[0]
+    frames, n_freq = feats.shape[1:]
     lens = lens.to("cpu", torch.float32)
 
     def spans(count: int, max_width: torch.Tensor, extent: torch.Tensor) -> torch.Tensor:
@@ -104,5 +110,7 @@ def spec_augment(
     freq = covered(spans(freq_masks, torch.full((batch,), float(freq_width)), full), n_freq)
     max_time = torch.minimum(torch.full((batch,), float(time_width)), (time_ratio * lens).floor())
     time = covered(spans(time_masks, max_time, lens), frames)
+    if rows is not None:
+        freq, time = freq[rows], time[rows]
     mask = (freq[:, None, :] | time[:, :, None]).to(feats.device)
     return feats.masked_fill(mask, 0.0)

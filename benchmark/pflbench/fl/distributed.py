@@ -66,6 +66,15 @@ def barrier(ctx: DistContext) -> None:
         dist.barrier()
 
 
+def broadcast_from_main(value: bool, ctx: DistContext) -> bool:
+    """Rank 0's `value` on every rank (one process: `value`)."""
+    if ctx.world_size == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def shutdown() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
