@@ -469,3 +469,11 @@ def test_a_run_from_before_hypotheses_were_stored_validates_but_cannot_be_submit
     with pytest.raises(UserError, match="names no stored hypotheses .* run it again"):
         submit(run_dir, tmp_path / "results", load_registry(), stale_ok=True)
     assert not (tmp_path / "results").exists()
+
+
+def test_a_record_stating_older_numerics_is_refused_unless_stale(tmp_path, registry, dp_record):
+    # A run of code whose numbers have changed since (pflbench.numerics) is stale work.
+    record = copy.deepcopy(dp_record)
+    record["software"]["numerics_version"] = 1
+    record = finalize(record)
+    refused(tmp_path, registry, record, "numerics version 1, this pflbench as 2")

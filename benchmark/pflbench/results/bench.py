@@ -8,6 +8,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pflbench.numerics import NUMERICS_VERSION
 from pflbench.results.leaderboard import load_results, render_leaderboard
 from pflbench.results.schema import (
     RECORD_SCHEMA_VERSION,
@@ -93,6 +94,7 @@ def synthetic_record(
             "torch_version": "0",
             "python_version": "3",
             "platform": "synthetic",
+            "numerics_version": NUMERICS_VERSION,
         },
         "data": {"digests": {}, "skipped": {}},
         "diagnostics": {"nonfinite_updates": 0, "clipped_fraction_mean": None},

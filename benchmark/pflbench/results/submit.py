@@ -132,7 +132,10 @@ def check_task_version(
     numerics older than this pflbench's (a stale result)."""
     current = registry.task(record.task.name).spec.version
     numerics = record_numerics_version(record)
-    if current == record.task.version and numerics == NUMERICS_VERSION:
+    # Records from before runs stated their numerics are filed as they were (the leaderboard
+    # marks them stale); one that states an older version is a re-submission of stale work.
+    stated = record.software.numerics_version is not None
+    if current == record.task.version and (numerics == NUMERICS_VERSION or not stated):
         return False
     if not stale_ok:
         if current != record.task.version:
