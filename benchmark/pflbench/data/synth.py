@@ -45,7 +45,7 @@ MP3_KBPS = 64
 # The most frequent words; the CV-like corpus draws them with a flatter distribution.
 LS_VOCABULARY = 200
 CV_VOCABULARY = 200
-SYNTH_VERSION = 5  # bumped whenever the bytes written change
+SYNTH_VERSION = 6  # bumped whenever the bytes written change
 COMPLETE_MARKER = "pflbench-synth.json"
 LS_SUBSETS = {"train": "train-clean-100", "dev": "dev-clean", "test": "test-clean"}
 CV_COLUMNS = [
@@ -61,7 +61,10 @@ CV_ACCENTS = {
     "de": ["de"],
 }
 LS_VARIANTS = ["m1", "m2", "m3", "m4", "m5", "m6", "m7", "f1", "f2", "f3", "f4"]
-CV_VARIANTS = LS_VARIANTS + ["m8", "f5", "klatt", "klatt2", "croak", "Andy", "Annie", "max", "iven"]
+# Voices no LS-like speaker resembles. Not espeak's formant-synthesizer voices (klatt, klatt2, iven):
+# a seed model scores 90-110% WER on them whatever its training (a shift of another kind than
+# LibriSpeech -> Common Voice's; measured, docs/RESULTS.md).
+CV_VARIANTS = LS_VARIANTS + ["m8", "f5", "croak", "Andy", "Annie", "max"]
 
 
 @dataclass(frozen=True)
@@ -157,8 +160,10 @@ def ls_voice(rng: np.random.Generator, language: str) -> Voice:
 def cv_voice(rng: np.random.Generator, language: str) -> Voice:
     name = f"{rng.choice(CV_ACCENTS[language])}+{rng.choice(CV_VARIANTS)}"
     rate, pitch, range_ = rng.integers(140, 201), rng.integers(15, 91), rng.integers(20, 91)
-    snr_db, gain_db = rng.uniform(20, 45), rng.uniform(-12, 3)
-    word_gap = int(rng.integers(1, 4))
+    # Milder than v5's 20-45 dB and 1-3 word gaps: each alone doubled the seed model's WER, and
+    # with the accents and voices compounded to a seed model near 90% (docs/RESULTS.md).
+    snr_db, gain_db = rng.uniform(30, 50), rng.uniform(-12, 3)
+    word_gap = int(rng.integers(2, 4))
     band = (float(rng.uniform(200, 400)), float(rng.uniform(3000, 4000)))
     return Voice(name, int(rate), int(pitch), int(range_), float(snr_db), float(gain_db), word_gap,
                  band)  # fmt: skip
