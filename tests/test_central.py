@@ -8,25 +8,25 @@ import torch
 from safetensors.torch import save_file
 
 from pflbench.central import (
-    LARS,
     compare_with_shipped,
     epoch_batches,
-    make_central_optimizer,
     seed_model,
     ship_seed_model,
     shipped_seed_path,
     step_decay_lr,
     train_central,
 )
-from pflbench.checkpoint import load_model, tensors_digest
+from pflbench.checkpoint import load_model
 from pflbench.data.batching import collate
 from pflbench.data.corpora import Entry
 from pflbench.data.prepare import TaskData
 from pflbench.data.store import FeatureStore, build_store
 from pflbench.data.text import tokenizer_for
+from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
 from pflbench.evaluate import evaluate
 from pflbench.model import build_model
+from pflbench.model.optim import LARS, make_central_optimizer
 from pflbench.model.transformer import ctc_loss
 from pflbench.seeds import keyed_seed
 from pflbench.spec.models import CentralRecipe, Recipe, SpecAugmentRecipe, Task

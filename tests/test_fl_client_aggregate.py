@@ -16,10 +16,10 @@ from pflbench.fl.client import (
     variational_noise_std,
 )
 from pflbench.fl.local_update import LocalUpdate
-from pflbench.fl.sampling import expected_cohort, sample_cohort
 from pflbench.model.transformer import build_model
 from pflbench.privacy.adaptive import combined_noise, update_noise
 from pflbench.privacy.noise import add_gaussian_noise, client_noise_std, noise_generator
+from pflbench.privacy.sampling import expected_cohort, sample_cohort
 from pflbench.spec.models import (
     AdaptiveClip,
     ClientRecipe,

@@ -11,9 +11,10 @@ from hypothesis import strategies as st
 from pflbench.errors import UserError
 from pflbench.fl.distributed import _buckets, assign_users
 from pflbench.fl.freeze import layer_scores, select_trained
-from pflbench.fl.sampling import sample_cohort
 from pflbench.fl.server import ServerOptimizer, exponential_decay_lr
-from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS, trust_ratio, trust_ratios
+from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS, trust_ratios
+from pflbench.model.optim import trust_ratio
+from pflbench.privacy.sampling import sample_cohort
 from pflbench.seeds import keyed_seed
 from pflbench.spec.models import LrDecay, ServerRecipe
 

@@ -14,8 +14,8 @@ from pflbench.checkpoint import (
     load_model,
     save_checkpoint,
     save_model,
-    tensors_digest,
 )
+from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
 from pflbench.model import build_model
 
@@ -73,7 +73,7 @@ def test_missing_sidecar_and_mismatched_weights_are_user_errors(tmp_path):
 
 
 def _hold_lock_and_log(lock_path: str, log_path: str, name: str, hold_s: float) -> None:
-    from pflbench.checkpoint import exclusive
+    from pflbench.files import exclusive
 
     with exclusive(Path(lock_path)):
         with open(log_path, "a") as log:

@@ -16,7 +16,6 @@ from pflbench.cli import app
 from pflbench.cli.run import run_summary
 from pflbench.errors import UserError
 from pflbench.fl.aggregate import StepAggregator
-from pflbench.fl.sampling import expected_cohort, sample_cohort
 from pflbench.privacy.accountants import ACCOUNTANTS, compute_epsilon
 from pflbench.privacy.audit import (
     CanaryAudit,
@@ -31,6 +30,7 @@ from pflbench.privacy.audit import (
 )
 from pflbench.privacy.clipping import clip_update, layer_bounds
 from pflbench.privacy.noise import server_noise_std
+from pflbench.privacy.sampling import expected_cohort, sample_cohort
 from pflbench.privacy.statement import epsilons_at_scale
 from pflbench.results.leaderboard import render_leaderboard
 from pflbench.results.plots import plot_results

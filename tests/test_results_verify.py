@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from test_run import TASK, specs_dir  # noqa: F401  (fixture)
 
-from pflbench.checkpoint import tensors_digest
+from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
 from pflbench.results.leaderboard import load_result_files, reevaluated_ids, render_leaderboard
 from pflbench.results.rescore import DataOptions, rescored

@@ -9,12 +9,7 @@ Both files are written to a temporary name and renamed, so a crash never leaves 
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
-import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -24,52 +19,12 @@ from safetensors.torch import load_file, save_file
 from torch import Tensor
 
 from pflbench.errors import UserError
+from pflbench.files import atomic_write, atomic_write_text
 from pflbench.model.transformer import CTCTransformer, ModelConfig
 
 
 def meta_path(path: Path) -> Path:
     return path.with_suffix(".json")
-
-
-def atomic_write(path: Path, write) -> None:
-    """`write(tmp)` to a name beside `path`, then rename: readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: writers never share one
-    write(tmp)
-    os.replace(tmp, path)
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    atomic_write(path, lambda tmp: tmp.write_text(text))
-
-
-@contextmanager
-def exclusive(lock_path: Path) -> Iterator[None]:
-    """Hold an exclusive lock on `lock_path` (created if needed): runs that share a cache (a sweep
-    with --jobs 2) build each cached artifact once instead of racing to write it."""
-    lock_path = Path(lock_path)
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def tensors_digest(path: Path) -> str:
-    """sha256 over a checkpoint's tensors (names, dtypes, shapes, bytes): identifies the weights
-    independently of the sidecar's metadata."""
-    return state_digest(load_file(str(path)))
-
-
-def state_digest(tensors: dict[str, Tensor]) -> str:
-    """tensors_digest of the checkpoint these tensors would be saved as."""
-    h = hashlib.sha256()
-    for name, t in sorted(tensors.items()):
-        t = t.detach().to("cpu")
-        h.update(f"{name}\t{t.dtype}\t{tuple(t.shape)}\n".encode())
-        h.update(t.reshape(-1).contiguous().view(torch.uint8).numpy().tobytes())  # 0-dim too
-    return h.hexdigest()
 
 
 def save_checkpoint(path: Path, tensors: dict[str, Tensor], meta: dict) -> None:

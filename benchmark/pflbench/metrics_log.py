@@ -14,7 +14,7 @@ import json
 import warnings
 from pathlib import Path
 
-from pflbench.checkpoint import atomic_write_text
+from pflbench.files import atomic_write_text
 
 TENSORBOARD_DIR = "tensorboard"
 # Scalars of a training line, by TensorBoard tag.

@@ -26,10 +26,10 @@ import zlib
 from datetime import UTC, datetime
 from pathlib import Path
 
-from pflbench.checkpoint import atomic_write, atomic_write_text
 from pflbench.errors import UserError
-from pflbench.results.schema import safe_name
+from pflbench.files import atomic_write, atomic_write_text
 from pflbench.spec.models import RunConfig
+from pflbench.spec.names import safe_name
 from pflbench.spec.resolve import canonical_json, config_hash
 
 

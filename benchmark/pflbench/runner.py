@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 
 from pflbench.central import set_cpu_threads
-from pflbench.checkpoint import load_checkpoint, save_checkpoint, save_model, tensors_digest
+from pflbench.checkpoint import load_checkpoint, save_checkpoint, save_model
+from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
 from pflbench.evaluate import evaluate_task
 from pflbench.fl.distributed import DistContext, barrier, init_from_env, shutdown

@@ -25,6 +25,12 @@ SpecsOption = typer.Option(
     "--specs",
     help="Extra folder(s) of task/baseline/budget YAMLs (also PFLBENCH_SPECS, ':'-separated).",
 )
+PluginOption = typer.Option(
+    None,
+    "--plugin",
+    help="A plug-in to load: a .py file or a module that registers methods (repeatable; also "
+    "PFLBENCH_PLUGINS, os.pathsep-separated, and the `pflbench.plugins` entry points).",
+)
 JsonOption = typer.Option(False, "--json", help="Machine-readable JSON output.")
 DeviceOption = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N.")
 NprocOption = typer.Option(1, "--nproc", min=1, help="Processes to launch via torchrun.")
@@ -92,3 +98,13 @@ def extra_spec_dirs(specs: list[Path] | None) -> list[Path]:
 def print_json(obj: Any) -> None:
     # Plain stdout, no rich markup, so the output is valid JSON for pipes.
     typer.echo(json.dumps(obj, indent=2, sort_keys=True, default=str))
+
+
+def load_specs(specs: list[Path] | None, plugins: list[str] | None = None):
+    """Plug-ins loaded (entry points, PFLBENCH_PLUGINS, --plugin), then the spec registry with
+    every name in it checked against the registries they fill."""
+    from pflbench.methods import load_specs as load_checked_specs
+    from pflbench.plugins import load_plugins
+
+    load_plugins(plugins)
+    return load_checked_specs(extra_spec_dirs(specs))

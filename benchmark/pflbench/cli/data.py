@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from pflbench.cli.common import JsonOption, SpecsOption, console, extra_spec_dirs, print_json
+from pflbench.cli.common import JsonOption, SpecsOption, console, print_json
 
 data_app = typer.Typer(help="Corpora, feature stores and their statistics.", no_args_is_help=True)
 
@@ -17,9 +17,9 @@ DataRootOption = typer.Option(
 
 
 def load_task(name: str, specs: list[Path] | None):
-    from pflbench.spec.registry import load_registry
+    from pflbench.cli.common import load_specs
 
-    return load_registry(extra_spec_dirs(specs)).task(name).spec
+    return load_specs(specs).task(name).spec
 
 
 @data_app.command("synth")

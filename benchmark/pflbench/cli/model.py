@@ -11,10 +11,10 @@ from pflbench.cli.common import (
     DeviceOption,
     JsonOption,
     NprocOption,
+    PluginOption,
     SpecsOption,
     check_device,
     console,
-    extra_spec_dirs,
     print_json,
     processes,
     relaunch_under_torchrun,
@@ -97,6 +97,7 @@ def register(app: typer.Typer) -> None:
             help="Ship the trained seed model with the task (tasks/seed-models/, replacing one "
             "shipped before): runs then start from it on every machine.",
         ),
+        plugins: list[str] = PluginOption,
         as_json: bool = JsonOption,
         nproc: int = NprocOption,
     ) -> None:
@@ -105,11 +106,11 @@ def register(app: typer.Typer) -> None:
         shipped with the task, which runs start from. With --nproc N (or under torchrun) the N
         processes share every batch; rank 0 prepares the data, writes the checkpoints and
         evaluates."""
-        from pflbench.spec.registry import load_registry
+        from pflbench.cli.common import load_specs
         from pflbench.spec.resolve import resolve
 
         device = check_device(device, processes=processes(nproc))
-        cfg = resolve(load_registry(extra_spec_dirs(specs)), task, "fedavg", "none", seed, sets)
+        cfg = resolve(load_specs(specs, plugins), task, "fedavg", "none", seed, sets)
         if cfg.task.seed_data is None:
             console.print(f"task {task!r} has no seed model: it trains from scratch")
             return
@@ -177,12 +178,12 @@ def register(app: typer.Typer) -> None:
         """WER and CER per eval set (pooled) and the per-speaker WER distribution."""
         from pflbench.central import set_cpu_threads
         from pflbench.checkpoint import load_model
+        from pflbench.cli.common import load_specs
         from pflbench.data.prepare import prepare_task
         from pflbench.evaluate import evaluate_sets
-        from pflbench.spec.registry import load_registry
 
         device = check_device(device)
-        spec = load_registry(extra_spec_dirs(specs)).task(task).spec
+        spec = load_specs(specs).task(task).spec
         set_cpu_threads()
         model, meta = load_model(checkpoint, device)
         data = prepare_task(spec, data_root=data_root, cache_dir=cache_dir, progress=not as_json)

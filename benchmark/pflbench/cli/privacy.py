@@ -8,12 +8,12 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from pflbench.cli.common import JsonOption, SpecsOption, console, extra_spec_dirs, print_json
+from pflbench.cli.common import JsonOption, SpecsOption, console, print_json
 from pflbench.errors import UserError
 from pflbench.privacy.accountants import (
     ACCOUNTANTS,
-    CALIBRATING,
     calibrate_noise,
+    calibrating,
     check_mechanism,
     compute_epsilon,
 )
@@ -26,9 +26,9 @@ privacy_app = typer.Typer(
 )
 
 
-# --accountant help: the registered names, e.g. "rdp, pld or all".
+# --accountant help: the built-in names, e.g. "rdp, pld or all" (plug-ins may add more).
 ANY_OR_ALL = ", ".join(ACCOUNTANTS) + " or all"
-ANY_CALIBRATING = " or ".join(CALIBRATING)
+ANY_CALIBRATING = " or ".join(calibrating())
 
 
 def accountant_names(accountant: str, allow_all: bool) -> list[str]:
@@ -36,8 +36,9 @@ def accountant_names(accountant: str, allow_all: bool) -> list[str]:
     one that can calibrate noise."""
     if allow_all and accountant == "all":
         return list(ACCOUNTANTS)
-    allowed, choices = (ACCOUNTANTS, ANY_OR_ALL) if allow_all else (CALIBRATING, ANY_CALIBRATING)
+    allowed = tuple(ACCOUNTANTS) if allow_all else calibrating()
     if accountant not in allowed:
+        choices = ", ".join(allowed) + (" or all" if allow_all else "")
         raise UserError(f"--accountant: unknown accountant {accountant!r}; choose {choices}")
     return [accountant]
 
@@ -148,9 +149,9 @@ def report(
         raise UserError(f"--delta must be in (0, 1), got {delta}")
     budget_spec = None
     if budget is not None:
-        from pflbench.spec.registry import load_registry
+        from pflbench.cli.common import load_specs
 
-        budget_spec = load_registry(extra_spec_dirs(specs)).budget(budget).spec
+        budget_spec = load_specs(specs).budget(budget).spec
     statement = privacy_statement(
         sigma_dp, clip_bound, cohort, population, steps, delta, sampling, budget_spec, names
     )

@@ -9,10 +9,10 @@ import typer
 
 from pflbench.cli.common import (
     JsonOption,
+    PluginOption,
     SpecsOption,
     console,
     err_console,
-    extra_spec_dirs,
     print_json,
 )
 from pflbench.errors import UserError
@@ -28,10 +28,10 @@ LEADERBOARD_FILE = Path("leaderboard.md")
 FIGURES_DIR = Path("docs/figures")
 
 
-def _registry(specs: list[Path] | None):
-    from pflbench.spec.registry import load_registry
+def _registry(specs: list[Path] | None, plugins: list[str] | None = None):
+    from pflbench.cli.common import load_specs
 
-    return load_registry(extra_spec_dirs(specs))
+    return load_specs(specs, plugins)
 
 
 def _split(text: str, what: str) -> list[str]:
@@ -106,17 +106,20 @@ def register(app: typer.Typer) -> None:
         ),
         data_root: Path = DataRootOption,
         specs: list[Path] = SpecsOption,
+        plugins: list[str] = PluginOption,
         as_json: bool = JsonOption,
     ) -> None:
         """Validate a finished run's record and file it under results/<task>/<budget>/.
 
         ε is recomputed by the accountants, and every WER/CER figure is re-scored from the run's
-        stored hypotheses against the eval sets' own references."""
+        stored hypotheses against the eval sets' own references. A run that used plug-ins is
+        filed only with the same plug-ins loaded (--plugin, same source sha256)."""
         from pflbench.results.rescore import DataOptions
         from pflbench.results.submit import submit as submit_run
 
         data = DataOptions(data_root=data_root, progress=not as_json)
-        accepted = submit_run(run_dir, results, _registry(specs), stale_ok=stale, data=data)
+        registry = _registry(specs, plugins)
+        accepted = submit_run(run_dir, results, registry, stale_ok=stale, data=data)
         if as_json:
             print_json(
                 {

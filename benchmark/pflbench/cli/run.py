@@ -10,10 +10,10 @@ import typer
 from pflbench.cli.common import (
     DeviceOption,
     NprocOption,
+    PluginOption,
     SpecsOption,
     check_device,
     console,
-    extra_spec_dirs,
     processes,
     relaunch_under_torchrun,
 )
@@ -105,6 +105,7 @@ def register(app: typer.Typer) -> None:
             None, "--data-root", help="Folder with the real corpora (also PFLBENCH_DATA)."
         ),
         specs: list[Path] = SpecsOption,
+        plugins: list[str] = PluginOption,
         nproc: int = NprocOption,
         parallel_clients: int = typer.Option(
             1,
@@ -127,16 +128,16 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Prepare data, train or reuse the seed model, run the central steps, evaluate, and
         write the run directory with its result record."""
+        from pflbench.cli.common import load_specs
         from pflbench.privacy.run import check_run_privacy
         from pflbench.rundir import default_run_dir
         from pflbench.runner import RunOptions, run
-        from pflbench.spec.registry import load_registry
         from pflbench.spec.resolve import default_budget, resolve
 
         check_device(device, processes=processes(nproc))
         if out is not None and resume is not None and out != resume:
             raise UserError("give either --out or --resume (the run directory to continue)")
-        registry = load_registry(extra_spec_dirs(specs))
+        registry = load_specs(specs, plugins)
         sets = list(sets or [])
         if audit_canaries:
             sets.append(f"privacy.audit_canaries={audit_canaries}")

@@ -8,12 +8,18 @@ import typer
 import yaml
 from rich.table import Table
 
-from pflbench.cli.common import JsonOption, SpecsOption, console, extra_spec_dirs, print_json
-from pflbench.spec.registry import Loaded, Registry, load_registry
+from pflbench.cli.common import (
+    JsonOption,
+    SpecsOption,
+    console,
+    load_specs,
+    print_json,
+)
+from pflbench.spec.registry import Loaded, Registry
 
 
 def _registry(specs: list[Path] | None) -> Registry:
-    return load_registry(extra_spec_dirs(specs))
+    return load_specs(specs)
 
 
 def _show(loaded: Loaded, as_json: bool, extra: dict | None = None) -> None:

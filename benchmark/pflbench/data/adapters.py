@@ -5,19 +5,19 @@ downloaded (readers in corpora.py) and for its Hugging Face counterpart (readers
 - "librispeech": LibriSpeech/<subset>/ trees; openslr/librispeech_asr datasets.
 - "commonvoice": cv-corpus-*/<locale>/<split>.tsv + clips/; Common Voice datasets.
 
-Everything that names corpora (DataSource.corpus and EvalSet.corpus, so the specs' schema enum;
-pflbench.data.prepare.subset_manifest; `pflbench tasks`' names of data sources) derives from
-CORPORA: adding a corpus is its readers, an adapter, a line below and a test of its lookup.
+Specs name corpora (DataSource.corpus, EvalSet.corpus); pflbench.methods checks the names against
+CORPORA, and pflbench.data.prepare reads through it. Adding a corpus is its readers, an adapter
+registered in CORPORA (here, or from a plug-in: pflbench.plugins) and a test of its lookup.
 
 hf.py (pyarrow, soundfile) is imported when a Hugging Face dataset is looked for, not with this
-module: spec.models takes the names from here.
+module.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pflbench.data.corpora import (
     Manifest,
@@ -31,6 +31,7 @@ from pflbench.data.corpora import (
     librispeech_manifest,
     librispeech_subset_dir,
 )
+from pflbench.extension import ExtensionPoint
 
 if TYPE_CHECKING:
     from pflbench.data.hf import HfSplit
@@ -177,8 +178,5 @@ class CommonVoice(CorpusAdapter):
         )
 
 
-# The registry (its order is the order of the schema's enum).
-CORPORA: dict[str, CorpusAdapter] = {a.name: a for a in (LibriSpeech(), CommonVoice())}
-
-# The Literal type built from the registry, for pydantic (schemas list the names as an enum).
-CorpusName = Literal[tuple(CORPORA)]  # type: ignore[valid-type]
+# The registry (plug-ins add corpora: pflbench.plugins).
+CORPORA = ExtensionPoint("corpus", ((a.name, a) for a in (LibriSpeech(), CommonVoice())))

@@ -11,7 +11,6 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pflbench.checkpoint import exclusive
 from pflbench.data.adapters import CORPORA
 from pflbench.data.corpora import Entry, Manifest, Skips, speaker_groups
 from pflbench.data.features import FEATURE_CONFIG
@@ -20,6 +19,7 @@ from pflbench.data.store import FeatureStore, build_store
 from pflbench.data.synth import SYNTH_VERSION, synthesize_cached
 from pflbench.data.text import NORMALIZER_VERSION, Tokenizer, tokenizer_for
 from pflbench.errors import UserError
+from pflbench.files import exclusive
 from pflbench.spec.models import DataSource, EvalSet, Task
 
 MANIFEST_VERSION = 1

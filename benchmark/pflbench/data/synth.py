@@ -61,9 +61,9 @@ CV_ACCENTS = {
     "de": ["de"],
 }
 LS_VARIANTS = ["m1", "m2", "m3", "m4", "m5", "m6", "m7", "f1", "f2", "f3", "f4"]
-# Voices no LS-like speaker resembles. Not espeak's formant-synthesizer voices (klatt, klatt2, iven):
-# a seed model scores 90-110% WER on them whatever its training (a shift of another kind than
-# LibriSpeech -> Common Voice's; measured, docs/RESULTS.md).
+# Voices no LS-like speaker resembles. Not espeak's formant-synthesizer voices (klatt, klatt2,
+# iven): a seed model scores 90-110% WER on them whatever its training (a shift of another kind
+# than LibriSpeech -> Common Voice's; measured, docs/RESULTS.md).
 CV_VARIANTS = LS_VARIANTS + ["m8", "f5", "croak", "Andy", "Annie", "max"]
 
 

@@ -15,19 +15,22 @@ key, except AdaGrad, which follows the paper authors' code unless `adagrad_rule:
 - AdaGrad, optax rule: acc starts at 0.1, acc ← acc + g², θ ← θ − lr·g/√(acc + ξ).
 - SGD: optional momentum μ and weight decay λ: m ← μm + g + λθ, θ ← θ − lr·m.
 
-Everything that names server optimizers (ServerRecipe.optimizer, so the specs' schema enum, and
-pflbench.fl.server.ServerOptimizer) derives from SERVER_OPTIMIZERS: adding one is a slots
-function, an update function, a line below and a test of a step computed by hand.
+Specs name a rule (ServerRecipe.optimizer); pflbench.methods checks the name against
+SERVER_OPTIMIZERS and pflbench.fl.server.ServerOptimizer runs it. Adding one is a slots function,
+an update function, a `ServerRule` registered in SERVER_OPTIMIZERS (here, or from a plug-in:
+pflbench.plugins) and a test of a step computed by hand.
 
-The rules import torch when they run, not when this module is imported: spec.models takes the
-names from here, and reading specs (`pflbench tasks`, ...) does not load torch.
+The rules import torch when they run, not when this module is imported: checking specs' names
+(`pflbench tasks`, ...) does not load torch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
+
+from pflbench.extension import ExtensionPoint
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -50,18 +53,7 @@ class ServerRule:
 
 
 # ----------------------------------------------------------------------------------------------
-# The trust ratio (LAMB, LARS; also the seed model's LARS, pflbench.central)
-
-
-def trust_ratio(
-    param_norm: Tensor, update_norm: Tensor, coefficient: float = 1.0, eps: float = 0.0
-) -> Tensor:
-    """coefficient·‖θ‖/(‖u‖ + eps) from (tensors of) norms, exactly 1 where either norm is zero
-    (optax.scale_by_trust_ratio, whose eps is 0). The denominator is held >= 1e-38 so that the
-    branch not taken never divides by zero."""
-    usable = (param_norm > 0) & (update_norm > 0)
-    ratio = coefficient * param_norm / (update_norm + eps).clamp_min(1e-38)
-    return ratio.where(usable, 1.0)
+# Trust ratios (LAMB, LARS; the function is shared with the seed model's LARS, pflbench.model.optim)
 
 
 def trust_ratios(
@@ -70,6 +62,7 @@ def trust_ratios(
     """The trust ratio of every tensor, coefficient·‖θ_h‖/(‖u_h‖ + eps) (1 where either norm is
     0), fp64. The norms are accumulated in fp64: fp32 accumulation is ~1e-4 relative off for the
     paper model's large tensors (optax's fp32 norms: ~1e-5)."""
+    from pflbench.model.optim import trust_ratio
     from pflbench.privacy.clipping import layer_norms
 
     return trust_ratio(layer_norms(params), layer_norms(updates), coefficient, eps)
@@ -175,18 +168,18 @@ def sgd_update(opt: ServerOptimizer, grads: list[Tensor], lr: float) -> list[Ten
 
 
 # ----------------------------------------------------------------------------------------------
-# The registry (its order is the order of the schema's enum)
+# The registry (plug-ins add rules: pflbench.plugins)
 
-SERVER_OPTIMIZERS: dict[str, ServerRule] = {
-    rule.name: rule
-    for rule in (
-        ServerRule("lamb", adam_slots, lamb_update),
-        ServerRule("adam", adam_slots, adam_update),
-        ServerRule("lars", momentum_slots, lars_update),
-        ServerRule("adagrad", adagrad_slots, adagrad_update),
-        ServerRule("sgd", momentum_slots, sgd_update),
-    )
-}
-
-# The Literal type built from the registry, for pydantic (schemas list the names as an enum).
-ServerOptimizerName = Literal[tuple(SERVER_OPTIMIZERS)]  # type: ignore[valid-type]
+SERVER_OPTIMIZERS = ExtensionPoint(
+    "server optimizer",
+    (
+        (rule.name, rule)
+        for rule in (
+            ServerRule("lamb", adam_slots, lamb_update),
+            ServerRule("adam", adam_slots, adam_update),
+            ServerRule("lars", momentum_slots, lars_update),
+            ServerRule("adagrad", adagrad_slots, adagrad_update),
+            ServerRule("sgd", momentum_slots, sgd_update),
+        )
+    ),
+)

@@ -28,10 +28,10 @@ from pflbench.fl.aggregate import StepAggregator
 from pflbench.fl.client import ClientTrainer, SequentialClientTrainer
 from pflbench.fl.distributed import DistContext, assign_users
 from pflbench.fl.parallel import ParallelClientTrainer
-from pflbench.fl.sampling import expected_cohort, sample_cohort
 from pflbench.fl.server import ServerOptimizer, exponential_decay_lr
 from pflbench.privacy.adaptive import next_clip_bound
 from pflbench.privacy.audit import CanaryAudit
+from pflbench.privacy.sampling import expected_cohort, sample_cohort
 from pflbench.spec.models import ClientRecipe, Recipe
 
 PREFETCH_DEPTH = 2  # users whose data loads while the current one trains

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from pflbench.checkpoint import state_digest
+from pflbench.digests import state_digest
 from pflbench.model.transformer import (
     build_model,
     count_parameters,
@@ -40,7 +40,7 @@ def device_label(device: str) -> str:
 
 def bench_model(device: str = "cpu", preset: str = "synth-cpu", steps: int | None = None) -> dict:
     """One central-training step (forward, CTC, backward, optimizer) timed over `steps`."""
-    from pflbench.central import make_central_optimizer
+    from pflbench.model.optim import make_central_optimizer
     from pflbench.numerics import cpu_kernels
     from pflbench.spec.models import CentralRecipe
 

@@ -6,29 +6,29 @@ Each accountant is one module with an `ACCOUNTANT` (pflbench.privacy.accounting.
 - "pld": privacy loss distributions via dp_accounting, tighter (pflbench.privacy.pld).
 - "prv": privacy random variables via prv_accountant, a cross-check (pflbench.privacy.prv).
 
-Everything that enumerates accountants (budgets' and records' schemas, CLI choices, privacy
-statements, exports, benches) derives from ACCOUNTANTS: adding one is a module, a line below and
-its test.
+Everything that enumerates accountants (budgets' and records' names, CLI choices, privacy
+statements, exports, benches) reads ACCOUNTANTS: adding one is a module, an entry registered in
+ACCOUNTANTS (here, or from a plug-in: pflbench.plugins) and its test.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal
 
 from pflbench.errors import UserError
+from pflbench.extension import ExtensionPoint
 from pflbench.privacy import pld, prv, rdp
 from pflbench.privacy.accounting import Accountant, EpsilonResult
 
-ACCOUNTANTS: dict[str, Accountant] = {
-    a.name: a for a in (rdp.ACCOUNTANT, pld.ACCOUNTANT, prv.ACCOUNTANT)
-}
-# The ones a budget may name (they calibrate z and carry the record's claim).
-CALIBRATING: tuple[str, ...] = tuple(name for name, a in ACCOUNTANTS.items() if a.calibrates)
+ACCOUNTANTS = ExtensionPoint(
+    "accountant", ((a.name, a) for a in (rdp.ACCOUNTANT, pld.ACCOUNTANT, prv.ACCOUNTANT))
+)
 
-# Literal types built from the registry, for pydantic models (schemas list the names as enums).
-AccountantName = Literal[tuple(ACCOUNTANTS)]  # type: ignore[valid-type]
-CalibratingAccountantName = Literal[CALIBRATING]  # type: ignore[valid-type]
+
+def calibrating() -> tuple[str, ...]:
+    """The accountants a budget may name: they calibrate z and carry the record's claim."""
+    return tuple(name for name, a in ACCOUNTANTS.items() if a.calibrates)
+
 
 # Calibration search range for the noise multiplier and its relative tolerance.
 Z_MIN, Z_MAX, Z_RTOL = 1e-6, 1e4, 1e-4
@@ -48,12 +48,12 @@ def check_mechanism(
         raise UserError(f"delta must be in (0, 1), got {delta}")
 
 
-def get_accountant(name: str, calibrating: bool = False) -> Accountant:
+def get_accountant(name: str, calibrating_only: bool = False) -> Accountant:
     """The registered accountant `name` (one that calibrates, if asked); UserError listing the
     choices otherwise."""
-    choices = CALIBRATING if calibrating else tuple(ACCOUNTANTS)
+    choices = calibrating() if calibrating_only else tuple(ACCOUNTANTS)
     if name not in choices:
-        purpose = " for calibrating noise" if calibrating else ""
+        purpose = " for calibrating noise" if calibrating_only else ""
         raise UserError(f"unknown accountant {name!r}{purpose}; choose one of {', '.join(choices)}")
     return ACCOUNTANTS[name]
 
@@ -91,7 +91,7 @@ def calibrate_noise(
     if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise UserError(f"target epsilon must be finite and > 0, got {target_epsilon}")
     check_mechanism(1.0, sampling_rate, steps, delta)
-    get_accountant(accountant, calibrating=True)
+    get_accountant(accountant, calibrating_only=True)
 
     def fits(z: float) -> bool:
         epsilon = compute_epsilon(z, sampling_rate, steps, delta, accountant).epsilon

@@ -30,8 +30,8 @@ from scipy import optimize, special, stats
 from torch import Tensor
 
 from pflbench.errors import UserError
-from pflbench.fl.sampling import sample_cohort
 from pflbench.privacy.clipping import layer_bounds
+from pflbench.privacy.sampling import sample_cohort
 from pflbench.seeds import keyed_generator
 from pflbench.spec.models import Recipe
 

@@ -7,8 +7,8 @@ import time
 
 from pflbench.privacy.accountants import (
     ACCOUNTANTS,
-    CALIBRATING,
     calibrate_noise,
+    calibrating,
     clear_cache,
     compute_epsilon,
 )
@@ -29,7 +29,7 @@ def bench_privacy() -> dict:
         times[f"epsilon_{name}_s"] = time.perf_counter() - start
         times[f"epsilon_{name}"] = result.epsilon
         times[f"epsilon_{name}_how"] = ACCOUNTANTS[name].summary(result.details)
-    for name in CALIBRATING:
+    for name in calibrating():
         clear_cache()
         start = time.perf_counter()
         times[f"calibrate_{name}_z"] = calibrate_noise(7.2, q, steps, delta, name)

@@ -8,9 +8,9 @@ same rules (results/submit.py).
 from __future__ import annotations
 
 from pflbench.errors import UserError
-from pflbench.fl.sampling import sampling_rate
 from pflbench.privacy.accountants import compute_epsilon
 from pflbench.privacy.audit import check_audit
+from pflbench.privacy.sampling import sampling_rate
 from pflbench.privacy.statement import budget_noise, check_steps_within_budget, privacy_statement
 from pflbench.spec.models import RunConfig
 

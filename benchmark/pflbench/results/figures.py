@@ -24,9 +24,10 @@ from pathlib import Path
 from pflbench.errors import UserError
 from pflbench.results.groups import dp_pairs, group_eval_set, is_ranked, row_label, rows_with_groups
 from pflbench.results.leaderboard import Row, cohort_size, epsilon, group_rows, is_audit, is_dp
-from pflbench.results.schema import ResultRecord, safe_name
+from pflbench.results.schema import ResultRecord
 from pflbench.results.stats import row_interval
 from pflbench.spec.models import Budget
+from pflbench.spec.names import safe_name
 from pflbench.spec.resolve import canonical_json
 
 FIGURES_VERSION = 1  # bump when the drawing changes, so that every figure is drawn again

@@ -41,6 +41,8 @@ HEADER = (
     "clip = each layer clipped to min(‖Δ_h‖, C_h) (paper 002, Definition 3); normalize = when "
     "‖Δ‖ > C every layer rescaled to C_h (the paper authors' code). "
     "📄 rows are copied from papers (source column), not run by pflbench. "
+    "🔌 rows ran with plug-ins (code from outside pflbench, named with its version; `pflbench "
+    "submit` filed them with the same plug-in source loaded). "
     "⚠ stale: run on an older task version (v*N*), or by code whose numerics changed since "
     f"(numerics v*N*; what changed in v{NUMERICS_VERSION}: {NUMERICS_CHANGES[NUMERICS_VERSION]}). "
     "Checked: *re-scored* = every WER/CER figure was computed again from the run's stored "
@@ -265,6 +267,9 @@ def fmt_baseline(row: Row, current_version: int | None) -> str:
     rule = perlayer_rule(record)
     if rule is not None:
         name += f" (rule: {rule})"
+    plugins = record.software.plugins or []
+    if plugins:
+        name += " 🔌 " + ", ".join(cell(f"{p.name} {p.version or ''}".strip()) for p in plugins)
     if current_version is not None and record.task.version != current_version:
         return f"{name} ⚠ stale (v{record.task.version})"
     numerics = record_numerics_version(record)

@@ -31,12 +31,12 @@ from pydantic import Field, model_validator
 
 from pflbench.errors import UserError
 from pflbench.results.schema import (
-    NAME_PATTERN,
     RECORD_SCHEMA_VERSION,
     Strict,
     compute_record_id,
     parse_record,
 )
+from pflbench.spec.names import NAME_PATTERN
 from pflbench.spec.registry import Registry, read_yaml, validate
 from pflbench.spec.resolve import resolve
 

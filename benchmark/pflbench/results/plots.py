@@ -21,7 +21,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import matplotlib.ticker  # noqa: E402
 
-from pflbench.checkpoint import atomic_write_text  # noqa: E402
+from pflbench.files import atomic_write_text  # noqa: E402
 from pflbench.results.figures import (  # noqa: E402
     MANIFEST,
     MARKERS,

@@ -13,9 +13,11 @@ from pathlib import Path
 import torch
 
 from pflbench import __version__
-from pflbench.checkpoint import atomic_write_text, tensors_digest
+from pflbench.digests import tensors_digest
 from pflbench.evaluate import evaluate_task
+from pflbench.files import atomic_write_text
 from pflbench.numerics import NUMERICS_VERSION, cpu_kernels, package_versions
+from pflbench.plugins import loaded_plugins
 from pflbench.results.schema import (
     RECORD_SCHEMA_VERSION,
     Compute,
@@ -26,6 +28,7 @@ from pflbench.results.schema import (
     HistoryPoint,
     Metrics,
     Outputs,
+    PluginInfo,
     PrivacyClaim,
     ResultRecord,
     Software,
@@ -214,6 +217,7 @@ def software_info() -> Software:
         platform=platform.platform(),
         packages=package_versions(),
         numerics_version=NUMERICS_VERSION,
+        plugins=[PluginInfo(**plugin.record()) for plugin in loaded_plugins()] or None,
     )
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from datetime import datetime
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -16,13 +15,12 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pflbench.errors import UserError
-from pflbench.privacy.accountants import AccountantName, CalibratingAccountantName
+from pflbench.spec.names import NAME_PATTERN
 from pflbench.spec.registry import format_validation_error
 from pflbench.spec.resolve import canonical_json
 
 RECORD_SCHEMA_VERSION = 1
 MAX_RECORD_BYTES = 2 * 1024 * 1024  # a record is a few KiB; anything this large is not one
-NAME_PATTERN = r"^[a-z0-9][a-z0-9.\-]{0,99}$"  # task / baseline / budget names (as in the specs)
 RECORD_ID_PATTERN = r"^[0-9a-f]{16}$"
 SHA256_PATTERN = r"^[0-9a-f]{64}$"
 
@@ -136,7 +134,7 @@ class EpsilonClaim(Open):
     """One accountant's ε; `epsilon` is null with an `error` where the accountant cannot compute
     it (e.g. PLD at an astronomically large ε)."""
 
-    accountant: AccountantName
+    accountant: str = Field(description="A registered accountant (pflbench.privacy.accountants).")
     library: str | None = None
     library_version: str | None = None
     epsilon: float | None = Field(None, ge=0)
@@ -203,7 +201,7 @@ class PrivacyClaim(Open):
     sigma_dp: float | None = Field(None, ge=0)
     clip_bound: float | None = Field(None, gt=0)
     sampling: Literal["poisson", "fixed"] | None = None
-    claimed_by: CalibratingAccountantName | None = Field(
+    claimed_by: str | None = Field(
         None,
         description="The accountant whose ε is claimed against the budget (the budget's"
         " accountant); the other accountants' ε are cross-checks. Absent in older records: rdp.",
@@ -268,6 +266,14 @@ class Compute(Strict):
     cpu: CpuKernels | None = Field(None, description="Absent in older records.")
 
 
+class PluginInfo(Strict):
+    name: str
+    version: str | None = None
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    source: str
+    registered: dict[str, list[str]] = Field(default_factory=dict)
+
+
 class Software(Strict):
     pflbench_version: str
     git_commit: str | None = None
@@ -284,6 +290,11 @@ class Software(Strict):
         None,
         description="pflbench.numerics.NUMERICS_VERSION of the code that ran: bumped when the "
         "code changes the numbers a run produces. Absent in older records (version 1).",
+    )
+    plugins: list[PluginInfo] | None = Field(
+        None,
+        description="The plug-ins loaded in the run (pflbench.plugins): `pflbench submit` loads "
+        "each with the same source sha256 or refuses the record. Absent: none.",
     )
 
 
@@ -381,16 +392,6 @@ def compute_record_id(record: dict) -> str:
     """First 16 hex of sha256 over the canonical JSON of the record without its record_id."""
     body = {key: value for key, value in record.items() if key != "record_id"}
     return hashlib.sha256(canonical_json(body).encode()).hexdigest()[:16]
-
-
-def safe_name(name: str, what: str) -> str:
-    """A name from a record, checked before it becomes a path component (no '/', '..', '~')."""
-    if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
-        raise UserError(
-            f"{what} {name!r} is not a safe name: expected lowercase letters, digits, '.', '-' "
-            "starting with a letter or digit (it becomes a folder name under results/)"
-        )
-    return name
 
 
 def _json_constant(value: str) -> float:

@@ -292,10 +292,13 @@ def validate_record(
     record: ResultRecord, raw: dict, registry: Registry, where: str, stale_ok: bool = False
 ) -> bool:
     """All content checks of a run record (not the duplicate check); returns whether it is stale."""
+    from pflbench.plugins import check_record_plugins
     from pflbench.privacy.audit import check_audit_claim
 
     if record.kind != "run":
         raise UserError(f"{where}: only run records can be submitted (kind is {record.kind!r})")
+    plugins = record.software.plugins or []
+    check_record_plugins([plugin.model_dump() for plugin in plugins], where)
     config = check_config(record, raw, where)
     stale = check_task_version(record, registry, where, stale_ok)
     budget = check_budget(config, registry, where)

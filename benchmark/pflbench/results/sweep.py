@@ -23,7 +23,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pflbench.errors import UserError
 from pflbench.results.plots import PlotReport, plot_results, plot_run
-from pflbench.results.schema import load_record, safe_name
+from pflbench.results.schema import load_record
+from pflbench.spec.names import safe_name
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,12 @@ from pydantic import Field, ValidationError
 
 from pflbench import __version__
 from pflbench.central import set_cpu_threads
-from pflbench.checkpoint import atomic_write_text, load_model, tensors_digest
+from pflbench.checkpoint import load_model
 from pflbench.data.prepare import EvalData
+from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
 from pflbench.evaluate import evaluate_task
+from pflbench.files import atomic_write_text
 from pflbench.results.leaderboard import VERIFICATION_FILE, filed_dir
 from pflbench.results.record import device_name, eval_summary
 from pflbench.results.rescore import (

@@ -1,7 +1,9 @@
 """Pydantic models of the declarative specs: Task, Baseline, Budget, and the resolved RunConfig.
 
-Specs are pure data. Every model forbids unknown keys so that a typo in a YAML is an error, not
-a silently ignored setting.
+Specs are pure data: they import nothing above them. Every model forbids unknown keys so that a
+typo in a YAML is an error, not a silently ignored setting. Pluggable methods (corpora, server
+optimizers, accountants) are held as names; pflbench.methods checks them against the registries
+that built-in modules and plug-ins fill, and lists the known names in its errors.
 """
 
 from __future__ import annotations
@@ -10,10 +12,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
-from pflbench.data.adapters import CORPORA, CorpusName
-from pflbench.fl.server_optimizers import ServerOptimizerName
-from pflbench.privacy.accountants import CalibratingAccountantName
-
+# The descriptions of name fields (pflbench.methods checks the names).
+CORPUS = "A registered corpus (built in: librispeech, commonvoice; plug-ins add more)."
 # Marks a field added to a spec model after its first version (`Field(..., json_schema_extra=
 # ADDED_LATER)`): while it holds its default it is left out of dumps, so the config hash of every
 # run from before the field existed stays what it was, and a run that sets it hashes it.
@@ -50,7 +50,7 @@ class UserSplit(Strict):
 class DataSource(Strict):
     """One training set: a corpus, the subsets/split it reads, and how users are formed."""
 
-    corpus: CorpusName
+    corpus: str = Field(description=CORPUS)
     subsets: list[str] = Field(
         min_length=1,
         description="LibriSpeech subsets (train-clean-100, ...) or Common Voice splits (train).",
@@ -59,16 +59,10 @@ class DataSource(Strict):
     user_split: UserSplit | None = None
     iid: bool = Field(False, description="Reassign each utterance a user id uniformly at random.")
 
-    @model_validator(mode="after")
-    def _locale_where_the_corpus_needs_one(self) -> DataSource:
-        if CORPORA[self.corpus].needs_locale and not self.locale:
-            raise ValueError(f"a {self.corpus} source needs a locale")
-        return self
-
 
 class EvalSet(Strict):
     name: str
-    corpus: CorpusName
+    corpus: str = Field(description=CORPUS)
     subset: str = Field(description="LibriSpeech subset (dev-clean, ...) or CV split (dev, test).")
     locale: str | None = None
     role: Literal["dev", "test"]
@@ -158,7 +152,10 @@ class ClientRecipe(Strict):
 
 
 class ServerRecipe(Strict):
-    optimizer: ServerOptimizerName = "lamb"
+    optimizer: str = Field(
+        "lamb",
+        description="A registered server optimizer (built in: lamb, adam, lars, adagrad, sgd).",
+    )
     lr: float = Field(0.002, gt=0)
     beta1: float = Field(0.9, ge=0, lt=1)
     beta2: float = Field(0.999, ge=0, lt=1)
@@ -323,7 +320,9 @@ class Budget(Strict):
     population: int | None = Field(None, ge=1, description="Extrapolated number of users K_ext.")
     cohort: int | None = Field(None, ge=1, description="Extrapolated cohort size S_ext.")
     steps: int | None = Field(None, ge=1, description="Extrapolated central steps T_ext.")
-    accountant: CalibratingAccountantName = "rdp"
+    accountant: str = Field(
+        "rdp", description="A registered accountant that calibrates noise (built in: rdp, pld)."
+    )
     matches: str | None = Field(
         None,
         description="The paper budget this one is signal-to-noise matched to: the same epsilon,"

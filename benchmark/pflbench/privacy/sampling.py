@@ -1,5 +1,7 @@
 """Cohort sampling, from the step's keyed stream (pflbench.seeds), so that a cohort never depends
-on how many processes run or whether the run was resumed."""
+on how many processes run or whether the run was resumed. In privacy: the sampling is what the
+accountant's amplification assumes (q = S/K), and the trainers (pflbench.fl) draw their cohorts
+here."""
 
 from __future__ import annotations
 

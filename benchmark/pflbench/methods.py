@@ -1,0 +1,69 @@
+"""The names a spec gives pluggable methods, checked against the registries that define them.
+
+Specs (pflbench.spec) are pure data and hold names only: a corpus, a server optimizer, an
+accountant. Built-in modules and plug-ins (pflbench.plugins) register what the names mean
+(pflbench.extension.ExtensionPoint). This module sits above both, so that loading specs checks
+every name and an unknown one is an error that lists the known names, before anything runs.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pflbench.data.adapters import CORPORA
+from pflbench.errors import UserError
+from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS
+from pflbench.privacy.accountants import calibrating
+from pflbench.spec.models import Budget, Recipe, Task
+from pflbench.spec.registry import Registry, load_registry
+
+
+def check_task(task: Task, where: str) -> None:
+    """Every corpus the task reads is registered, with a locale where the corpus needs one."""
+    sources = [task.seed_data, task.federated_data, *task.eval_sets]
+    for source in sources:
+        if source is None:
+            continue
+        if source.corpus not in CORPORA:
+            _unknown(where, "corpus", source.corpus, CORPORA)
+        if CORPORA[source.corpus].needs_locale and not source.locale:
+            raise UserError(f"{where}: a {source.corpus} source needs a locale")
+
+
+def check_recipe(recipe: Recipe | dict[str, Any], where: str) -> None:
+    """The recipe's server optimizer is registered (a dict: a baseline's partial overrides)."""
+    data = recipe.model_dump() if isinstance(recipe, Recipe) else recipe
+    optimizer = data.get("federated", {}).get("server", {}).get("optimizer")
+    if optimizer is not None and optimizer not in SERVER_OPTIMIZERS:
+        _unknown(where, "server optimizer", optimizer, SERVER_OPTIMIZERS)
+
+
+def check_budget(budget: Budget, where: str) -> None:
+    if budget.accountant not in calibrating():
+        _unknown(where, "accountant that calibrates noise", budget.accountant, calibrating())
+
+
+def check_registry(registry: Registry) -> Registry:
+    """Every task's, baseline's and budget's names; returns the registry."""
+    for name, loaded in registry.tasks.items():
+        where = f"task {name!r} ({loaded.path})"
+        check_task(loaded.spec, where)
+        check_recipe(loaded.spec.recipe, where)
+    for name, loaded in registry.baselines.items():
+        check_recipe(loaded.spec.overrides, f"baseline {name!r} ({loaded.path})")
+    for name, loaded in registry.budgets.items():
+        check_budget(loaded.spec, f"budget {name!r} ({loaded.path})")
+    return registry
+
+
+def load_specs(extra_dirs: list[Path] | None = None) -> Registry:
+    """The spec registry (built-in and extra folders), every name in it checked."""
+    return check_registry(load_registry(extra_dirs))
+
+
+def _unknown(where: str, kind: str, name: str, known) -> None:
+    raise UserError(
+        f"{where}: unknown {kind} {name!r}; known: {', '.join(known)} "
+        "(plug-ins add more: --plugin, PFLBENCH_PLUGINS)"
+    )

@@ -1,0 +1,142 @@
+"""Plug-ins: code from outside pflbench that registers methods (client algorithms, server
+optimizers, accountants, corpora) in the extension points (pflbench.extension).
+
+A plug-in is a Python file or an importable module (a package: all its .py files), named by
+`--plugin PATH_OR_MODULE` (repeatable), by PFLBENCH_PLUGINS (os.pathsep-separated) or by an
+installed distribution's entry point in the group `pflbench.plugins`. Importing it registers its
+entries; nothing else is required of it. A plug-in may set `__version__`.
+
+Every run's record names each plug-in loaded (name, version, sha256 of its source files, what it
+registered); `pflbench submit` refuses a record whose plug-ins are not loaded with the same source,
+and the leaderboard marks the rows that used one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.metadata
+import importlib.util
+import os
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from pflbench.data.adapters import CORPORA
+from pflbench.errors import UserError
+from pflbench.extension import ExtensionPoint, registering_as
+from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS
+from pflbench.privacy.accountants import ACCOUNTANTS
+
+ENTRY_POINT_GROUP = "pflbench.plugins"
+ENV = "PFLBENCH_PLUGINS"
+EXTENSION_POINTS: tuple[ExtensionPoint, ...] = (CORPORA, SERVER_OPTIMIZERS, ACCOUNTANTS)
+
+
+@dataclass(frozen=True)
+class Plugin:
+    name: str  # the module name, or the file's stem
+    version: str | None
+    sha256: str  # of its source files (names and bytes), sorted by relative path
+    source: str  # the path or module as given, or "entry point <name>"
+    registered: dict[str, list[str]] = field(default_factory=dict)  # kind -> names
+
+    def record(self) -> dict:
+        return asdict(self)
+
+
+_loaded: dict[str, Plugin] = {}  # by name, in load order
+
+
+def source_digest(files: list[Path], root: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(files, key=lambda p: p.relative_to(root).as_posix()):
+        h.update(f.relative_to(root).as_posix().encode() + b"\0")
+        h.update(f.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def _module_files(module) -> tuple[list[Path], Path]:
+    file = Path(getattr(module, "__file__", "") or "")
+    if not file.is_file():
+        raise UserError(f"plug-in {module.__name__!r} has no source file to digest")
+    if file.name == "__init__.py":  # a package: every .py file under it
+        return sorted(file.parent.rglob("*.py")), file.parent
+    return [file], file.parent
+
+
+def _import(spec: str):
+    """The module a --plugin value names: a .py file's path, or an importable module name."""
+    path = Path(spec)
+    if spec.endswith(".py") or path.is_file():
+        if not path.is_file():
+            raise UserError(f"plug-in {spec}: no such file")
+        name = path.stem
+        module_spec = importlib.util.spec_from_file_location(f"pflbench_plugin_{name}", path)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[module_spec.name] = module
+        module_spec.loader.exec_module(module)
+        return name, module
+    return spec, importlib.import_module(spec)
+
+
+def load_plugin(spec: str, source: str | None = None) -> Plugin:
+    """Imports one plug-in (once: loading it again returns the first load) and records what it
+    registered. A plug-in that fails to import is an error naming it and the failure."""
+    for plugin in _loaded.values():
+        if spec in (plugin.source, plugin.name):
+            return plugin
+    before = {point.kind: set(point) for point in EXTENSION_POINTS}
+    label = Path(spec).stem if spec.endswith(".py") else spec
+    try:
+        with registering_as(f"plug-in {label}"):
+            name, module = _import(spec)
+    except UserError:
+        raise
+    except Exception as exc:  # a researcher's code: say which plug-in and what went wrong
+        raise UserError(f"plug-in {spec}: failed to load ({type(exc).__name__}: {exc})") from exc
+    files, root = _module_files(module)
+    registered = {
+        point.kind: sorted(set(point) - before[point.kind])
+        for point in EXTENSION_POINTS
+        if set(point) - before[point.kind]
+    }
+    version = getattr(module, "__version__", None)
+    plugin = Plugin(name, str(version) if version is not None else None,
+                    source_digest(files, root), source or spec, registered)  # fmt: skip
+    _loaded[name] = plugin
+    return plugin
+
+
+def load_plugins(given: list[str] | None = None) -> list[Plugin]:
+    """Entry points of installed distributions, then PFLBENCH_PLUGINS, then `given`
+    (--plugin); returns every plug-in loaded in this process."""
+    for entry in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        load_plugin(entry.module, source=f"entry point {entry.name}")
+    for spec in filter(None, os.environ.get(ENV, "").split(os.pathsep)):
+        load_plugin(spec)
+    for spec in given or []:
+        load_plugin(spec)
+    return loaded_plugins()
+
+
+def loaded_plugins() -> list[Plugin]:
+    return list(_loaded.values())
+
+
+def check_record_plugins(recorded: list[dict], where: str) -> None:
+    """A record's plug-ins are loaded here, with the same source: else UserError naming them."""
+    for entry in recorded:
+        name, digest = entry.get("name"), entry.get("sha256")
+        here = _loaded.get(name)
+        if here is None:
+            raise UserError(
+                f"{where}: the run used plug-in {name!r} (version {entry.get('version')}, source "
+                f"sha256 {digest}), which is not loaded; load it with --plugin "
+                f"{entry.get('source') or 'PATH_OR_MODULE'} (or {ENV}) to check the record"
+            )
+        if here.sha256 != digest:
+            raise UserError(
+                f"{where}: plug-in {name!r} loaded from {here.source} has source sha256 "
+                f"{here.sha256}, but the run used sha256 {digest}: not the code that produced it"
+            )

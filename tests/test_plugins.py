@@ -1,0 +1,169 @@
+"""Plug-ins: code from outside pflbench registers methods (docs/examples/server_yogi.py), runs
+record it with its source digest, submit-time checks refuse a missing or changed plug-in, and
+every way of naming one (--plugin, PFLBENCH_PLUGINS, entry points) loads it."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from test_run import specs_dir  # noqa: F401  (fixture)
+
+from pflbench import plugins
+from pflbench.errors import UserError
+from pflbench.extension import BUILTIN, ExtensionPoint
+from pflbench.fl.server import ServerOptimizer
+from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS
+from pflbench.methods import load_specs
+from pflbench.results.schema import load_record
+from pflbench.runner import RunOptions, run
+from pflbench.spec.models import ServerRecipe
+from pflbench.spec.resolve import resolve
+
+EXAMPLES = Path(__file__).parents[1] / "docs" / "examples"
+YOGI = EXAMPLES / "server_yogi.py"
+
+
+@pytest.fixture(autouse=True)
+def clean_registries():
+    """Plug-ins register into process-wide registries: each test starts and ends without them."""
+    saved = [(point, dict(point), dict(point.origins)) for point in plugins.EXTENSION_POINTS]
+    loaded = dict(plugins._loaded)
+    yield
+    for point, entries, origins in saved:
+        dict.clear(point)
+        dict.update(point, entries)
+        point.origins = origins
+    plugins._loaded.clear()
+    plugins._loaded.update(loaded)
+
+
+def test_a_plugin_file_registers_its_method_with_origin_version_and_digest():
+    plugin = plugins.load_plugin(str(YOGI))
+    assert "yogi" in SERVER_OPTIMIZERS
+    assert SERVER_OPTIMIZERS.origins["yogi"] == "plug-in server_yogi"
+    assert SERVER_OPTIMIZERS.origins["lamb"] == BUILTIN
+    assert plugin.name == "server_yogi" and plugin.version == "1.0"
+    assert plugin.registered == {"server optimizer": ["yogi"]}
+    expected = hashlib.sha256(b"server_yogi.py\0" + YOGI.read_bytes() + b"\0").hexdigest()
+    assert plugin.sha256 == expected
+    assert plugins.load_plugin(str(YOGI)) is plugin  # loaded once
+    assert SERVER_OPTIMIZERS.from_plugins() == {"yogi": "plug-in server_yogi"}
+
+
+def test_the_example_yogi_step_is_the_one_computed_by_hand():
+    plugins.load_plugin(str(YOGI))
+    recipe = ServerRecipe(optimizer="yogi", lr=0.1, beta1=0.5, beta2=0.75, eps=0.01)
+    theta = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64)
+    opt = ServerOptimizer(recipe, ["w"], [theta])
+    g = torch.tensor([0.2, -0.4, 0.0], dtype=torch.float64)
+    opt.step([g], 0.1)
+    m = 0.5 * g
+    v0 = torch.full_like(g, 0.01**2)
+    v = v0 - 0.25 * torch.sign(v0 - g * g) * g * g
+    expected = torch.tensor([1.0, -2.0, 0.5], dtype=torch.float64) - 0.1 * m / (v.sqrt() + 0.01)
+    torch.testing.assert_close(theta, expected, rtol=0, atol=1e-15)
+
+
+def test_registering_a_name_twice_or_looking_up_an_unknown_one_is_a_clear_error():
+    point = ExtensionPoint("widget", [("a", 1)])
+    with pytest.raises(UserError, match="widget 'a' is already registered \\(by built-in\\)"):
+        point.register("a", 2)
+    with pytest.raises(UserError, match="unknown widget 'b'; known: a .*--plugin"):
+        point["b"]
+    with pytest.raises(UserError, match="server optimizer 'lamb' is already registered"):
+        SERVER_OPTIMIZERS.register("lamb", SERVER_OPTIMIZERS["adam"])
+
+
+def test_a_plugin_that_fails_to_import_is_named_in_the_error(tmp_path):
+    broken = tmp_path / "broken_plugin.py"
+    broken.write_text("raise RuntimeError('no GPU here')\n")
+    with pytest.raises(UserError, match="plug-in .*broken_plugin.py: failed to load .*no GPU"):
+        plugins.load_plugin(str(broken))
+    with pytest.raises(UserError, match="plug-in .*missing.py: no such file"):
+        plugins.load_plugin(str(tmp_path / "missing.py"))
+
+
+def _specs_with_yogi(tmp_path: Path, specs_dir: Path) -> Path:  # noqa: F811
+    """The tiny test task's specs folder plus the example's baseline."""
+    root = tmp_path / "specs"
+    shutil.copytree(specs_dir, root)
+    (root / "baselines").mkdir(exist_ok=True)
+    shutil.copy(EXAMPLES / "specs" / "baselines" / "server-yogi.yaml", root / "baselines")
+    return root
+
+
+def test_specs_naming_an_unregistered_method_fail_at_load_listing_the_known_names(
+    tmp_path,
+    specs_dir,  # noqa: F811
+):
+    root = _specs_with_yogi(tmp_path, specs_dir)
+    with pytest.raises(UserError, match="server-yogi.yaml.*unknown server optimizer 'yogi'; "
+                       "known: lamb, adam, lars, adagrad, sgd"):  # fmt: skip
+        load_specs([root])
+    plugins.load_plugin(str(YOGI))
+    assert "server-yogi" in load_specs([root]).baselines
+
+
+def test_a_run_with_a_plugin_records_it_and_the_check_refuses_a_missing_or_changed_one(
+    tmp_path,
+    specs_dir,  # noqa: F811
+    tiny_cache_dir,
+    tiny_task_data,
+    monkeypatch,
+):
+    monkeypatch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
+    plugin = plugins.load_plugin(str(YOGI))
+    root = _specs_with_yogi(tmp_path, specs_dir)
+    config = resolve(load_specs([root]), "synth-tiny-test", "server-yogi", "none", 0,
+                     ["federated.central_steps=2"])  # fmt: skip
+    run_dir = run(config, out_dir=tmp_path / "run", options=RunOptions(progress=False))
+    record, _ = load_record(run_dir / "record.json")
+    recorded = [p.model_dump() for p in record.software.plugins]
+    assert recorded == [plugin.record()]
+    plugins.check_record_plugins(recorded, "record.json")  # the same code: accepted
+
+    plugins._loaded.clear()
+    with pytest.raises(UserError, match="record.json: the run used plug-in 'server_yogi'.*not "
+                       "loaded; load it with --plugin .*server_yogi.py"):  # fmt: skip
+        plugins.check_record_plugins(recorded, "record.json")
+
+    changed = tmp_path / "elsewhere" / "server_yogi.py"
+    changed.parent.mkdir()
+    changed.write_text(YOGI.read_text().replace('"1.0"', '"1.0"  # edited'))
+    dict.pop(SERVER_OPTIMIZERS, "yogi")
+    plugins.load_plugin(str(changed))
+    with pytest.raises(UserError, match="plug-in 'server_yogi' loaded from .* has source sha256 "
+                       ".*but the run used sha256"):  # fmt: skip
+        plugins.check_record_plugins(recorded, "record.json")
+
+
+def test_plugins_load_from_the_environment_and_from_entry_points(tmp_path, monkeypatch):
+    (tmp_path / "env_plugin.py").write_text(
+        "from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS\n"
+        "SERVER_OPTIMIZERS.register('env-sgd', SERVER_OPTIMIZERS['sgd'])\n"
+    )
+    (tmp_path / "ep_plugin.py").write_text(
+        "__version__ = '0.3'\n"
+        "from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS\n"
+        "SERVER_OPTIMIZERS.register('ep-adam', SERVER_OPTIMIZERS['adam'])\n"
+    )
+    dist = tmp_path / "ep_plugin-0.3.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: ep-plugin\nVersion: 0.3\n")
+    (dist / "entry_points.txt").write_text("[pflbench.plugins]\nep = ep_plugin\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PFLBENCH_PLUGINS", str(tmp_path / "env_plugin.py"))
+    loaded = {p.name: p for p in plugins.load_plugins()}
+    assert loaded["ep_plugin"].source == "entry point ep" and loaded["ep_plugin"].version == "0.3"
+    assert loaded["env_plugin"].registered == {"server optimizer": ["env-sgd"]}
+    assert {"env-sgd", "ep-adam"} <= set(SERVER_OPTIMIZERS)
+
+
+def test_the_example_baseline_yaml_is_a_valid_baseline():
+    data = yaml.safe_load((EXAMPLES / "specs" / "baselines" / "server-yogi.yaml").read_text())
+    assert data["overrides"]["federated"]["server"]["optimizer"] == "yogi"
