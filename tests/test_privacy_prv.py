@@ -1,10 +1,10 @@
 """The PRV accountant (prv_accountant): a third cross-check next to RDP and PLD."""
 
 import pytest
-from pydantic import ValidationError
 from test_privacy_accountants import HIGH_POP
 
 from pflbench.errors import UserError
+from pflbench.methods import check_budget
 from pflbench.privacy import prv
 from pflbench.privacy.accountants import ACCOUNTANTS, calibrate_noise, compute_epsilon
 from pflbench.privacy.statement import privacy_statement
@@ -69,6 +69,8 @@ def test_statements_cross_check_with_prv_and_skip_it_where_it_cannot_compute():
 def test_prv_is_a_cross_check_only():
     with pytest.raises(UserError, match="unknown accountant 'prv' for calibrating noise"):
         calibrate_noise(7.2, 0.00295, 2034, DELTA, "prv")
-    with pytest.raises(ValidationError, match="accountant"):
-        Budget(name="b", epsilon=7.2, delta=DELTA, accountant="prv")
+    budget = Budget(name="b", epsilon=7.2, delta=DELTA, accountant="prv")  # a name, checked later
+    with pytest.raises(UserError, match="b.yaml: unknown accountant that calibrates noise 'prv'; "
+                       "known: rdp, pld"):  # fmt: skip
+        check_budget(budget, "b.yaml")
     assert not ACCOUNTANTS["prv"].calibrates
