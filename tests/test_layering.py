@@ -90,3 +90,13 @@ def test_the_package_graph_is_acyclic():
 def test_spec_imports_nothing_above_it():
     for target, file in imports().get("spec", ()):
         assert LAYERS[target] == 0, f"{file} imports pflbench.{target}"
+
+
+def test_every_module_imports():
+    """A name moved between modules is caught here even where no other test imports it."""
+    import importlib
+    import pkgutil
+
+    for module in pkgutil.walk_packages([str(ROOT)], "pflbench."):
+        if not module.name.endswith("__main__"):
+            importlib.import_module(module.name)

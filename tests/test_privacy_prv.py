@@ -69,7 +69,10 @@ def test_statements_cross_check_with_prv_and_skip_it_where_it_cannot_compute():
 def test_prv_is_a_cross_check_only():
     with pytest.raises(UserError, match="unknown accountant 'prv' for calibrating noise"):
         calibrate_noise(7.2, 0.00295, 2034, DELTA, "prv")
-    budget = Budget(name="b", epsilon=7.2, delta=DELTA, accountant="prv")  # a name, checked later
+    budget = Budget(  # a name: checked when specs are loaded
+        name="b", epsilon=7.2, delta=DELTA, population=10**6, cohort=1000, steps=10,
+        accountant="prv",
+    )  # fmt: skip
     with pytest.raises(UserError, match="b.yaml: unknown accountant that calibrates noise 'prv'; "
                        "known: rdp, pld"):  # fmt: skip
         check_budget(budget, "b.yaml")

@@ -99,7 +99,9 @@ def _validity_sections(records, registry) -> dict[str, str]:
 def register(app: typer.Typer) -> None:
     @app.command("submit")
     def submit(
-        run_dir: Path = typer.Argument(..., help="A finished run folder (with DONE)."),
+        run_dirs: list[Path] = typer.Argument(
+            ..., help="Finished run folder(s) (with DONE), e.g. a sweep's runs/<task>/*/."
+        ),
         results: Path = ResultsOption,
         stale: bool = typer.Option(
             False, "--stale", help="Accept a run of an older task version; it is shown as stale."
@@ -109,34 +111,52 @@ def register(app: typer.Typer) -> None:
         plugins: list[str] = PluginOption,
         as_json: bool = JsonOption,
     ) -> None:
-        """Validate a finished run's record and file it under results/<task>/<budget>/.
+        """Validate finished runs' records and file them under results/<task>/<budget>/.
 
         ε is recomputed by the accountants, and every WER/CER figure is re-scored from the run's
         stored hypotheses against the eval sets' own references. A run that used plug-ins is
-        filed only with the same plug-ins loaded (--plugin, same source sha256)."""
+        filed only with the same plug-ins loaded (--plugin, same source sha256). With several
+        runs, each is checked on its own (in one process, so shared accountant results are
+        computed once): a refused run is reported and the others are still filed; the exit code
+        is 2 when any was refused."""
         from pflbench.results.rescore import DataOptions
         from pflbench.results.submit import submit as submit_run
 
         data = DataOptions(data_root=data_root, progress=not as_json)
         registry = _registry(specs, plugins)
-        accepted = submit_run(run_dir, results, registry, stale_ok=stale, data=data)
+        accepted, refused = [], []
+        for run_dir in run_dirs:
+            try:
+                one = submit_run(run_dir, results, registry, stale_ok=stale, data=data)
+            except UserError as exc:
+                if len(run_dirs) == 1:
+                    raise
+                refused.append((run_dir, str(exc)))
+                err_console.print(f"refused {run_dir}: {exc}", highlight=False)
+                continue
+            accepted.append(one)
+            if not as_json:
+                note = " [yellow](stale: older task version)[/]" if one.stale else ""
+                checked = "re-evaluated" if one.reevaluated else "re-scored"
+                console.print(
+                    f"accepted {one.record.record_id} ({checked}) → {one.path}{note}",
+                    highlight=False,
+                )
         if as_json:
-            print_json(
+            rows = [
                 {
-                    "record_id": accepted.record.record_id,
-                    "path": str(accepted.path),
-                    "stale": accepted.stale,
-                    "reevaluated": accepted.reevaluated,
+                    "record_id": a.record.record_id,
+                    "path": str(a.path),
+                    "stale": a.stale,
+                    "reevaluated": a.reevaluated,
                 }
-            )
-            return
-        note = " [yellow](stale: older task version)[/]" if accepted.stale else ""
-        checked = "re-evaluated" if accepted.reevaluated else "re-scored"
-        console.print(
-            f"accepted {accepted.record.record_id} ({checked}) → {accepted.path}{note}",
-            highlight=False,
-        )
-        console.print("run `pflbench plot` and `pflbench leaderboard` to update leaderboard.md")
+                for a in accepted
+            ] + [{"run_dir": str(d), "refused": why} for d, why in refused]
+            print_json(rows[0] if len(run_dirs) == 1 else rows)
+        elif accepted:
+            console.print("run `pflbench plot` and `pflbench leaderboard` to update leaderboard.md")
+        if refused:
+            raise UserError(f"{len(refused)} of {len(run_dirs)} runs refused (reasons above)")
 
     @app.command("leaderboard")
     def leaderboard(

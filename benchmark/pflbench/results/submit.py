@@ -26,9 +26,9 @@ from pflbench.results.schema import (
     load_record,
     read_json_file,
     record_numerics_version,
-    safe_name,
 )
 from pflbench.spec.models import Budget, RunConfig
+from pflbench.spec.names import safe_name
 from pflbench.spec.registry import Registry, format_validation_error
 from pflbench.spec.resolve import config_json_hash
 
