@@ -167,3 +167,18 @@ def test_plugins_load_from_the_environment_and_from_entry_points(tmp_path, monke
 def test_the_example_baseline_yaml_is_a_valid_baseline():
     data = yaml.safe_load((EXAMPLES / "specs" / "baselines" / "server-yogi.yaml").read_text())
     assert data["overrides"]["federated"]["server"]["optimizer"] == "yogi"
+
+
+def test_the_leaderboard_marks_rows_run_with_a_plugin():
+    from test_results_leaderboard import GOLDEN, render_golden
+
+    from pflbench.results.leaderboard import load_results
+    from pflbench.results.schema import PluginInfo
+
+    records = [r for r in load_results(GOLDEN / "results") if r.kind == "run"]
+    plugin = PluginInfo(name="server_yogi", version="1.0", sha256="a" * 64, source="yogi.py")
+    software = records[0].software.model_copy(update={"plugins": [plugin]})
+    marked = records[0].model_copy(update={"software": software})
+    assert "🔌" not in render_golden(records).split("🔌 rows ran with plug-ins")[1]
+    table = render_golden([marked, *records[1:]]).split("🔌 rows ran with plug-ins")[1]
+    assert f"{marked.baseline} 🔌 server_yogi 1.0" in table
