@@ -414,7 +414,7 @@ def test_specs_name_registered_corpora_and_commonvoice_sources_need_a_locale() -
     task = Task(
         name="t", version=1, language="en", description="",
         federated_data=DataSource(corpus="voxpopuli", subsets=["train"]),
-        eval_sets=[],
+        eval_sets=[EvalSet(name="d", corpus="librispeech", subset="dev-clean", role="dev")],
     )  # fmt: skip
     with pytest.raises(UserError, match="t.yaml: unknown corpus 'voxpopuli'; known: librispeech, "
                        "commonvoice"):  # fmt: skip

@@ -23,10 +23,10 @@ from pflbench.results.schema import (
     MAX_RECORD_BYTES,
     compute_record_id,
     load_record,
-    safe_name,
 )
 from pflbench.results.submit import record_path, submit, validate_record
 from pflbench.rundir import HYPOTHESES_DIR, hypotheses_content, write_hypotheses
+from pflbench.spec.names import safe_name
 from pflbench.spec.registry import load_registry
 from pflbench.spec.resolve import config_json_hash, resolve
 

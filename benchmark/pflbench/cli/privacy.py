@@ -38,7 +38,7 @@ def accountant_names(accountant: str, allow_all: bool) -> list[str]:
         return list(ACCOUNTANTS)
     allowed = tuple(ACCOUNTANTS) if allow_all else calibrating()
     if accountant not in allowed:
-        choices = ", ".join(allowed) + (" or all" if allow_all else "")
+        choices = ", ".join(allowed) + " or all" if allow_all else " or ".join(allowed)
         raise UserError(f"--accountant: unknown accountant {accountant!r}; choose {choices}")
     return [accountant]
 
