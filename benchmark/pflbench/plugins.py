@@ -65,19 +65,27 @@ def _module_files(module) -> tuple[list[Path], Path]:
     return [file], file.parent
 
 
+def _is_file(spec: str) -> bool:
+    return spec.endswith(".py") or Path(spec).is_file()
+
+
+def plugin_name(spec: str) -> str:
+    """A --plugin value's name: a file's stem, or the module name."""
+    return Path(spec).stem if _is_file(spec) else spec
+
+
 def _import(spec: str):
     """The module a --plugin value names: a .py file's path, or an importable module name."""
+    if not _is_file(spec):
+        return importlib.import_module(spec)
     path = Path(spec)
-    if spec.endswith(".py") or path.is_file():
-        if not path.is_file():
-            raise UserError(f"plug-in {spec}: no such file")
-        name = path.stem
-        module_spec = importlib.util.spec_from_file_location(f"pflbench_plugin_{name}", path)
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[module_spec.name] = module
-        module_spec.loader.exec_module(module)
-        return name, module
-    return spec, importlib.import_module(spec)
+    if not path.is_file():
+        raise UserError(f"plug-in {spec}: no such file")
+    module_spec = importlib.util.spec_from_file_location(f"pflbench_plugin_{path.stem}", path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_spec.name] = module
+    module_spec.loader.exec_module(module)
+    return module
 
 
 def load_plugin(spec: str, source: str | None = None) -> Plugin:
@@ -86,20 +94,20 @@ def load_plugin(spec: str, source: str | None = None) -> Plugin:
     for plugin in _loaded.values():
         if spec in (plugin.source, plugin.name):
             return plugin
-    before = {point.kind: set(point) for point in EXTENSION_POINTS}
-    label = Path(spec).stem if spec.endswith(".py") else spec
+    name = plugin_name(spec)
+    origin = f"plug-in {name}"
     try:
-        with registering_as(f"plug-in {label}"):
-            name, module = _import(spec)
+        with registering_as(origin):
+            module = _import(spec)
     except UserError:
         raise
     except Exception as exc:  # a researcher's code: say which plug-in and what went wrong
         raise UserError(f"plug-in {spec}: failed to load ({type(exc).__name__}: {exc})") from exc
     files, root = _module_files(module)
     registered = {
-        point.kind: sorted(set(point) - before[point.kind])
+        point.kind: names
         for point in EXTENSION_POINTS
-        if set(point) - before[point.kind]
+        if (names := sorted(n for n, o in point.origins.items() if o == origin))
     }
     version = getattr(module, "__version__", None)
     plugin = Plugin(name, str(version) if version is not None else None,
