@@ -52,3 +52,27 @@ def tiny_corpus_root(tiny_task: Task, tiny_cache_dir: Path, tiny_task_data) -> P
     from pflbench.data.prepare import synth_root
 
     return synth_root(tiny_task, tiny_cache_dir)
+
+
+def make_algorithm(recipe, model, names: list[str], seed: int = 0, device: str = "cpu",
+                   sampling_rate: float = 1.0):  # fmt: skip
+    """The client algorithm `recipe` names, for trainers built by hand (its users' state in a
+    temporary folder kept alive by the algorithm)."""
+    import tempfile
+
+    from pflbench.fl.algorithms import CLIENT_ALGORITHMS, AlgorithmContext
+    from pflbench.fl.user_state import UserStateStore
+
+    folder = tempfile.TemporaryDirectory(prefix="pflbench-test-user-state-")
+    named = dict(model.named_parameters())
+    context = AlgorithmContext(
+        names=list(names),
+        params=[named[n].detach().to(device) for n in names],
+        seed=seed,
+        device=device,
+        user_states=UserStateStore(Path(folder.name)),
+        sampling_rate=sampling_rate,
+    )
+    algorithm = CLIENT_ALGORITHMS[recipe.algorithm](recipe, context)
+    algorithm._test_folder = folder
+    return algorithm

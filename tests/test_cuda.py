@@ -5,6 +5,7 @@ Skipped where torch sees no GPU (CI); on a GPU machine: `python -m pytest tests/
 
 import pytest
 import torch
+from conftest import make_algorithm
 from test_run import TASK, _config, env, specs_dir  # noqa: F401  (fixtures)
 
 from pflbench.fl.client import SequentialClientTrainer
@@ -32,12 +33,13 @@ def test_group_updates_equal_one_client_at_a_time_on_cuda(tiny_task_data):
     users = sorted(store.users(), key=lambda u: (-store.user_num_utterances(u), u))[:3]
     clients = [(u, store.load_user(u)) for u in users]
 
-    one = SequentialClientTrainer(model, names, recipe, AUGMENT, seed=7, device="cuda")
+    algorithm = make_algorithm(recipe, model, names, seed=7, device="cuda")
+    one = SequentialClientTrainer(model, names, algorithm, AUGMENT, seed=7, device="cuda")
     expected = {
         u: {k: v.clone() for k, v in r.update.items()}
         for u, r in one.train_group(global_params, clients, 5)
     }
-    group = ParallelClientTrainer(model, names, recipe, AUGMENT, 7, "cuda", group_size=4)
+    group = ParallelClientTrainer(model, names, algorithm, AUGMENT, 7, "cuda", group_size=4)
     for user, result in group.train_group(global_params, clients, 5):
         for name in names:
             ref = expected[user][name]

@@ -1,21 +1,22 @@
 """The client update and the step aggregation, each alone, on random utterances."""
 
 import math
+import tempfile
+from pathlib import Path
 
 import pytest
 import torch
+from conftest import make_algorithm
 from pydantic import ValidationError
 
+from pflbench.errors import UserError
 from pflbench.fl.aggregate import StepAggregator
+from pflbench.fl.algorithms import CLIENT_ALGORITHMS, AlgorithmContext, check_client_recipe
+from pflbench.fl.algorithms.base import variational_noise_std
 from pflbench.fl.bench import RandomUserStore
-from pflbench.fl.client import (
-    ClientResult,
-    SequentialClientTrainer,
-    limit_utterances,
-    local_batches,
-    variational_noise_std,
-)
+from pflbench.fl.client import ClientResult, SequentialClientTrainer, local_batches
 from pflbench.fl.local_update import LocalUpdate
+from pflbench.fl.user_state import UserStateStore
 from pflbench.model.transformer import build_model
 from pflbench.privacy.adaptive import combined_noise, update_noise
 from pflbench.privacy.noise import add_gaussian_noise, client_noise_std, noise_generator
@@ -23,6 +24,7 @@ from pflbench.privacy.sampling import expected_cohort, sample_cohort
 from pflbench.spec.models import (
     AdaptiveClip,
     ClientRecipe,
+    FederatedVariationalNoise,
     PrivacyRecipe,
     Recipe,
     SpecAugmentRecipe,
@@ -36,7 +38,8 @@ def _trainer(**client) -> tuple[torch.nn.Module, SequentialClientTrainer]:
     model = build_model("tiny", 30)
     recipe = ClientRecipe(**{"local_steps": 2, "batch_seconds": 10.0, **client})
     names = [n for n, _ in model.named_parameters()]
-    trainer = SequentialClientTrainer(model, names, recipe, SpecAugmentRecipe(), 1, "cpu")
+    algorithm = make_algorithm(recipe, model, names, seed=1)
+    trainer = SequentialClientTrainer(model, names, algorithm, SpecAugmentRecipe(), 1, "cpu")
     return model, trainer
 
 
@@ -87,6 +90,19 @@ def test_local_gradient_clipping_bounds_each_step():
     assert 0.9e-3 < norm <= 1e-3 * (1 + 1e-5)
 
 
+def _algorithm(recipe: ClientRecipe, params: list[torch.Tensor]):
+    """The recipe's algorithm over [G, ...] tensors (only their shapes matter to the hooks)."""
+    context = AlgorithmContext(
+        names=[str(i) for i in range(len(params))],
+        params=[p[0] for p in params],
+        seed=0,
+        device="cpu",
+        user_states=UserStateStore(Path(tempfile.mkdtemp())),
+        sampling_rate=1.0,
+    )
+    return CLIENT_ALGORITHMS[recipe.algorithm](recipe, context)
+
+
 def _stacked(group: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Parameters and gradients of a few tensors (shapes like a model's), stacked [G, ...]."""
     gen = torch.Generator().manual_seed(seed)
@@ -100,7 +116,9 @@ def _stacked(group: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.
 def test_one_client_rule_is_clip_grad_norm_and_sgd_bitwise(mu):
     """G = 1 performs exactly torch's clip_grad_norm_(foreach=True) and a foreach SGD step (with
     FedProx's mu (θ − θ_g) added first): one client at a time keeps its results bit for bit."""
-    recipe = ClientRecipe(lr=0.3, grad_clip=0.5, fedprox_mu=mu)
+    recipe = ClientRecipe(
+        lr=0.3, grad_clip=0.5, fedprox_mu=mu, algorithm="fedprox" if mu else "fedavg"
+    )
     params, grads = _stacked(1)
     theta = [p[0].clone() for p in params]  # θ at some local step
     global_params = [t + 0.01 * torch.randn_like(t) for t in theta]
@@ -118,6 +136,7 @@ def test_one_client_rule_is_clip_grad_norm_and_sgd_bitwise(mu):
     rule = LocalUpdate(params, grads, recipe)
     rule.start(global_params)
     torch._foreach_copy_(params, [t.unsqueeze(0) for t in theta])
+    _algorithm(recipe, params).correct(rule)
     rule.step(idle=[])
     for leaf, p, g in zip(leaves, params, grads, strict=True):
         assert torch.equal(g[0], leaf.grad) and torch.equal(p[0], leaf.detach())
@@ -127,7 +146,7 @@ def test_one_client_rule_is_clip_grad_norm_and_sgd_bitwise(mu):
 
 
 def test_fedprox_gradient_is_mu_times_distance():
-    recipe = ClientRecipe(fedprox_mu=0.5, lr=0.1, grad_clip=1e6)
+    recipe = ClientRecipe(algorithm="fedprox", fedprox_mu=0.5, lr=0.1, grad_clip=1e6)
     params, grads = _stacked(2)
     rule = LocalUpdate(params, grads, recipe)
     rule.start([torch.zeros_like(p[0]) for p in params])
@@ -135,6 +154,7 @@ def test_fedprox_gradient_is_mu_times_distance():
         p.fill_(float(i % 3) - 1.0)
     rule.zero_grad()
     expected = [p - 0.1 * 0.5 * (p - 0.0) for p in params]
+    _algorithm(recipe, params).correct(rule)
     rule.step(idle=[])
     for p, e in zip(params, expected, strict=True):
         torch.testing.assert_close(p, e)
@@ -143,7 +163,8 @@ def test_fedprox_gradient_is_mu_times_distance():
 def test_stacked_clients_step_alone_and_idle_ones_stay():
     """Each client's slice takes the step it would take alone (its own norm and clip factor);
     an idle slot (schedule ended) moves by nothing, not even with NaN gradients or weight noise."""
-    recipe = ClientRecipe(lr=0.3, grad_clip=0.5, fedprox_mu=0.1, variational_noise={"std": 0.1})
+    recipe = ClientRecipe(lr=0.3, grad_clip=0.5, algorithm="fedprox", fedprox_mu=0.1)
+    noisy = ClientRecipe(lr=0.3, grad_clip=0.5, algorithm="fvn", variational_noise={"std": 0.1})
     params, grads = _stacked(3, seed=1)
     global_params = [p[0] + 0.1 for p in params]
     theta = [p.clone() for p in params]
@@ -157,16 +178,20 @@ def test_stacked_clients_step_alone_and_idle_ones_stay():
         alone = LocalUpdate(alone_params, alone_grads, recipe)
         alone.start(global_params)
         torch._foreach_copy_(alone_params, [t[i : i + 1] for t in theta])
+        _algorithm(recipe, alone_params).correct(alone)
         alone.step(idle=[])
         expected.append(alone_params)
     rule = LocalUpdate(params, grads, recipe)
     rule.start(global_params)
     torch._foreach_copy_(params, theta)
-    generators = [torch.Generator().manual_seed(i) for i in range(3)]
-    rule.add_weight_noise(0.1, [0, 2], generators)
+    noise = _algorithm(noisy, params)
+    noise.start_group(rule, ["a", "b", "c"], step=0)
+    noise.perturb(rule, [0, 2])
     assert all(torch.equal(p[1], t[1]) for p, t in zip(params, theta, strict=True))
     assert not torch.equal(params[0][0], theta[0][0])
-    rule.restore_clean_weights()
+    noise.unperturb(rule)
+    assert all(torch.equal(p, t) for p, t in zip(params, theta, strict=True))
+    _algorithm(recipe, params).correct(rule)
     rule.step(idle=[1])
     for slot, alone_params in zip((0, 2), expected, strict=True):
         for p, a in zip(params, alone_params, strict=True):
@@ -178,14 +203,15 @@ def test_stacked_clients_step_alone_and_idle_ones_stay():
 def test_data_limit_and_variational_noise():
     data = STORE.load_user("user00002")
     gen = torch.Generator().manual_seed(0)
-    kept = limit_utterances(data, 4, gen)
+    limit = ClientRecipe(algorithm="data-limit", max_utterances=4)
+    kept = _algorithm(limit, []).select_utterances(data, gen)
     assert len(kept) == 4 and {u.utt_id for u in kept} <= {u.utt_id for u in data}
-    assert limit_utterances(data, None, gen) is data
-    recipe = ClientRecipe(variational_noise={"std": 0.03, "ramp_steps": 10})
-    assert variational_noise_std(recipe, 0) == 0 and variational_noise_std(recipe, 5) == 0.015
-    assert variational_noise_std(recipe, 50) == 0.03
+    assert _algorithm(ClientRecipe(), []).select_utterances(data, gen) is data
+    noise = FederatedVariationalNoise(std=0.03, ramp_steps=10)
+    assert variational_noise_std(noise, 0) == 0 and variational_noise_std(noise, 5) == 0.015
+    assert variational_noise_std(noise, 50) == 0.03
     model, plain = _trainer()
-    _, noisy = _trainer(variational_noise={"std": 0.01})
+    _, noisy = _trainer(algorithm="fvn", variational_noise={"std": 0.01})
     a = _train(plain, _globals(model), data, 0, "u").update
     b = _train(noisy, _globals(model), data, 0, "u").update
     assert not all(torch.equal(a[k], b[k]) for k in a)
@@ -341,3 +367,19 @@ def test_adaptive_clipping_needs_clipping_on_the_server():
         PrivacyRecipe(clipping="none", adaptive_clip={})
     with pytest.raises(ValidationError, match="adaptive_clip needs noise_placement: server"):
         PrivacyRecipe(noise_placement="client", adaptive_clip={})
+
+
+def test_a_recipe_setting_what_its_algorithm_ignores_is_refused():
+    with pytest.raises(UserError, match="client algorithm 'fedavg' does not use fedprox_mu"):
+        check_client_recipe(ClientRecipe(fedprox_mu=0.1))
+    with pytest.raises(UserError, match="'data-limit' does not use variational_noise"):
+        check_client_recipe(
+            ClientRecipe(algorithm="data-limit", max_utterances=4, variational_noise={"std": 0.1})
+        )
+    with pytest.raises(UserError, match="'fedprox' needs fedprox_mu > 0"):
+        check_client_recipe(ClientRecipe(algorithm="fedprox"))
+    with pytest.raises(
+        UserError, match="unknown client algorithm 'fedsgd'; known: fedavg, fedprox"
+    ):
+        check_client_recipe(ClientRecipe(algorithm="fedsgd"))
+    check_client_recipe(ClientRecipe(algorithm="fvn", variational_noise={"std": 0.1}))

@@ -4,6 +4,7 @@ import json
 
 import pytest
 import torch
+from conftest import make_algorithm
 from typer.testing import CliRunner
 
 from pflbench.cli import app
@@ -18,13 +19,20 @@ from pflbench.spec.models import ClientRecipe, Recipe, SpecAugmentRecipe
 AUGMENT = SpecAugmentRecipe(freq_masks=1, freq_width=8, time_masks=1, time_width=10)
 CLIENT_VARIANTS = {
     "steps": {"local_steps": 3},
-    # Clients with different numbers of local steps; FedProx and variational noise on.
-    "epochs+prox+noise": {
+    # Clients with different numbers of local steps; FedProx, variational noise, data limit.
+    "epochs+prox": {
         "local_steps": None,
         "local_epochs": 1,
+        "algorithm": "fedprox",
         "fedprox_mu": 0.5,
+    },
+    "epochs+noise": {
+        "local_steps": None,
+        "local_epochs": 1,
+        "algorithm": "fvn",
         "variational_noise": {"std": 0.01},
     },
+    "data-limit": {"local_steps": 3, "algorithm": "data-limit", "max_utterances": 2},
 }
 
 
@@ -42,15 +50,17 @@ def test_group_updates_equal_one_client_at_a_time(tiny_task_data, variant):
     global_params = [dict(model.named_parameters())[n].detach() for n in names]
     clients = _clients(tiny_task_data.federated_train, 3)
 
-    one = SequentialClientTrainer(model, names, recipe, AUGMENT, seed=7, device="cpu")
+    one = SequentialClientTrainer(model, names, make_algorithm(recipe, model, names, seed=7),
+                                  AUGMENT, seed=7, device="cpu")  # fmt: skip
     expected = {}
     for user, result in one.train_group(global_params, clients, 5):
         expected[user] = (result, {k: v.clone() for k, v in result.update.items()})
-    group = ParallelClientTrainer(model, names, recipe, AUGMENT, seed=7, device="cpu", group_size=4)
+    group = ParallelClientTrainer(model, names, make_algorithm(recipe, model, names, seed=7),
+                                  AUGMENT, seed=7, device="cpu", group_size=4)  # fmt: skip
     results = list(group.train_group(global_params, clients, 5))
 
     assert [u for u, _ in results] == [u for u, _ in clients]
-    assert len({expected[u][0].local_steps for u, _ in clients}) > (variant != "steps")
+    assert len({expected[u][0].local_steps for u, _ in clients}) > variant.startswith("epochs")
     for user, result in results:
         ref, ref_update = expected[user]
         assert (result.local_steps, result.frames) == (ref.local_steps, ref.frames)
@@ -89,7 +99,8 @@ def test_dropout_or_layer_drop_is_refused():
     model = build_model("tiny", 30, dropout=0.1)
     names = [n for n, _ in model.named_parameters()]
     with pytest.raises(UserError, match="dropout and layer drop 0"):
-        ParallelClientTrainer(model, names, ClientRecipe(), AUGMENT, 0, "cpu", group_size=2)
+        algorithm = make_algorithm(ClientRecipe(), model, names)
+        ParallelClientTrainer(model, names, algorithm, AUGMENT, 0, "cpu", group_size=2)
 
 
 def test_bench_fl_reports_the_parallel_speedup():

@@ -183,3 +183,72 @@ def test_the_leaderboard_marks_rows_run_with_a_plugin():
     table = render_golden([marked, *records[1:]]).split("🔌 rows ran with plug-ins")[1]
     row = next(line for line in table.splitlines() if "🔌" in line)
     assert f"| {marked.baseline} " in row and "🔌 server_yogi 1.0" in row
+
+
+CLIENT_PLUGIN = '''
+"""A client algorithm from outside pflbench: local gradients scaled by an option."""
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from pflbench.fl.algorithms import CLIENT_ALGORITHMS, ClientAlgorithm
+
+__version__ = "0.1"
+
+
+class Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    scale: float
+
+
+@CLIENT_ALGORITHMS.register("scaled-sgd")
+class ScaledSGD(ClientAlgorithm):
+    Options = Options
+
+    @torch.no_grad()
+    def correct(self, local):
+        torch._foreach_mul_(local.grads, self.options.scale)
+'''
+
+
+def test_a_plugin_client_algorithm_runs_with_its_options_and_refuses_bad_ones(
+    tmp_path,
+    specs_dir,  # noqa: F811
+    tiny_cache_dir,
+    tiny_task_data,
+    monkeypatch,
+):
+    monkeypatch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
+    source = tmp_path / "scaled_sgd.py"
+    source.write_text(CLIENT_PLUGIN)
+    root = tmp_path / "specs"
+    shutil.copytree(specs_dir, root)
+    (root / "baselines").mkdir(exist_ok=True)
+    baseline = {
+        "name": "frozen-clients",
+        "description": "Local gradients scaled by 0: no client moves.",
+        "reproduces": "none (a test)",
+        "overrides": {
+            "privacy": {"clipping": "none"},
+            "federated": {"client": {"algorithm": "scaled-sgd", "algorithm_options": {"scale": 0}}},
+        },
+    }
+    (root / "baselines" / "frozen-clients.yaml").write_text(yaml.safe_dump(baseline))
+    with pytest.raises(UserError, match="unknown client algorithm 'scaled-sgd'; known: fedavg"):
+        load_specs([root])
+    plugin = plugins.load_plugin(str(source))
+    assert plugin.registered == {"client algorithm": ["scaled-sgd"]}
+    registry = load_specs([root])
+    bad = resolve(registry, "synth-tiny-test", "frozen-clients", "none", 0,
+                  ["federated.client.algorithm_options.scale=fast"])  # fmt: skip
+    with pytest.raises(
+        UserError,
+        match="algorithm_options of 'scaled-sgd'(.|\n)*scale: Input should be a valid number",
+    ):
+        run(bad, out_dir=tmp_path / "bad", options=RunOptions(progress=False))
+    config = resolve(registry, "synth-tiny-test", "frozen-clients", "none", 0,
+                     ["federated.central_steps=2"])  # fmt: skip
+    run_dir = run(config, out_dir=tmp_path / "run", options=RunOptions(progress=False))
+    record, _ = load_record(run_dir / "record.json")
+    assert [p.name for p in record.software.plugins] == ["scaled_sgd"]
+    # Scaled by 0, every Δ is 0: the final model is the seed model the run started from.
+    assert record.outputs.final_model == record.data.digests["seed_model"]

@@ -83,6 +83,8 @@ def test_each_baseline_writes_a_valid_record(env, tmp_path, baseline):
     assert record.metrics.seed_model is not None
     assert {h.step for h in record.metrics.history} == {2, 3}
     assert record.privacy.dp == (budget != "none")
+    # What an algorithm sends beside Δ is named in the privacy statement.
+    assert (record.privacy.payload is not None) == (baseline == "scaffold")
     assert record.compute.central_steps == 3 and record.diagnostics.nonfinite_updates == 0
     assert re.fullmatch(r"[0-9a-f]{64}", record.data.digests["seed_model"])  # starting weights
     assert set(record.data.audio_digests) == set(record.data.digests) - {"seed_model"}

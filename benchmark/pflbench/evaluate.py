@@ -19,16 +19,22 @@ with no reference words at all has WER None.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import jiwer
 import torch
 
+from pflbench import __version__
 from pflbench.data.batching import chunks, collate, dynamic_batches
+from pflbench.files import atomic_write_text
 from pflbench.model.transformer import CTCTransformer, greedy_decode
+from pflbench.spec.resolve import canonical_json
 
 
 @dataclass(frozen=True)
@@ -193,3 +199,51 @@ def with_groups(role: str, result: dict, groups: dict[str, dict[str, str]]) -> d
     """One eval set's `score` with its role and per-group counts: what a run records of it (and
     what re-scoring its stored hypotheses must give again)."""
     return {"role": role, **result, "groups": group_counts(result["speaker_counts"], groups)}
+
+
+# ----------------------------------------------------------------------------------------------
+# What records keep of an evaluation
+
+
+SUMMARY_KEYS = (  # what a record keeps of an evaluation (evaluate.score) per eval set
+    "cer",
+    "speaker_wer_mean",
+    "speaker_wer_p10",
+    "speaker_wer_p50",
+    "speaker_wer_p90",
+    "num_utterances",
+)
+
+
+def eval_summary(results: dict) -> dict:
+    """evaluate_task's results, reduced to a record's EvalResult fields (JSON-ready)."""
+    return {
+        name: {
+            "role": r["role"],
+            "wer": r["wer"],
+            **{key: r[key] for key in SUMMARY_KEYS},
+            "speakers": r["speaker_counts"],
+            "groups": r["groups"] or None,
+        }
+        for name, r in results.items()
+    }
+
+
+def seed_model_summary(model, data, config, device: str, seed_path) -> dict:
+    """The starting model's dev/test summary. Every run of a task starts from the same seed
+    model, so its evaluation is cached next to the checkpoint, keyed by the eval sets' data."""
+    eval_sets = {e.name: [e.role, data.eval_sets[e.name].digest] for e in config.task.eval_sets}
+    key = canonical_json({"pflbench": __version__, "eval_sets": eval_sets, "summary": "p50"})
+    cache = None
+    if seed_path is not None:
+        cache = Path(seed_path).with_name(
+            f"eval-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+        )
+        if cache.is_file():
+            return json.loads(cache.read_text())
+    summary = eval_summary(
+        evaluate_task(model, data, config.task.eval_sets, {"dev", "test"}, device)
+    )
+    if cache is not None:
+        atomic_write_text(cache, json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    return summary

@@ -1,9 +1,10 @@
 """The names a spec gives pluggable methods, checked against the registries that define them.
 
 Specs (pflbench.spec) are pure data and hold names only: a corpus, a server optimizer, an
-accountant. Built-in modules and plug-ins (pflbench.plugins) register what the names mean
-(pflbench.extension.ExtensionPoint). This module sits above both, so that loading specs checks
-every name and an unknown one is an error that lists the known names, before anything runs.
+accountant, a client algorithm. Built-in modules and plug-ins (pflbench.plugins) register what the
+names mean (pflbench.extension.ExtensionPoint). This module sits above both, so that loading specs
+checks every name and an unknown one is an error that lists the known names, before anything
+runs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 
 from pflbench.data.adapters import CORPORA
 from pflbench.errors import UserError
+from pflbench.fl.algorithms import CLIENT_ALGORITHMS, check_client_recipe
 from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS
 from pflbench.privacy.accountants import calibrating
 from pflbench.spec.models import Budget, Recipe, Task
@@ -32,11 +34,21 @@ def check_task(task: Task, where: str) -> None:
 
 
 def check_recipe(recipe: Recipe | dict[str, Any], where: str) -> None:
-    """The recipe's server optimizer is registered (a dict: a baseline's partial overrides)."""
+    """The recipe's server optimizer and client algorithm are registered (a dict: a baseline's
+    partial overrides); a whole recipe also fits its client algorithm."""
     data = recipe.model_dump() if isinstance(recipe, Recipe) else recipe
-    optimizer = data.get("federated", {}).get("server", {}).get("optimizer")
+    federated = data.get("federated", {})
+    optimizer = federated.get("server", {}).get("optimizer")
     if optimizer is not None and optimizer not in SERVER_OPTIMIZERS:
         _unknown(where, "server optimizer", optimizer, SERVER_OPTIMIZERS)
+    algorithm = federated.get("client", {}).get("algorithm")
+    if algorithm is not None and algorithm not in CLIENT_ALGORITHMS:
+        _unknown(where, "client algorithm", algorithm, CLIENT_ALGORITHMS)
+    if isinstance(recipe, Recipe):
+        try:
+            check_client_recipe(recipe.federated.client)
+        except UserError as exc:
+            raise UserError(f"{where}: {exc}") from None
 
 
 def check_budget(budget: Budget, where: str) -> None:

@@ -56,6 +56,9 @@ class MetricsLog:
     """Appends lines to run_dir/metrics.jsonl and mirrors their scalars to TensorBoard."""
 
     def __init__(self, run_dir: Path, lines: list[dict], steps_done: int):
+        """`lines`: the history so far (from a checkpoint), rewritten to the file; `append`
+        extends this very list, so the caller's history and the file stay one."""
+        self.lines = lines
         self.path = Path(run_dir) / "metrics.jsonl"
         text = "".join(json.dumps(x) + "\n" for x in lines)
         atomic_write_text(self.path, text)
@@ -63,6 +66,7 @@ class MetricsLog:
         self.file = open(self.path, "a")  # noqa: SIM115 (closed by close())
 
     def append(self, lines: list[dict]) -> None:
+        self.lines += lines
         self.file.write("".join(json.dumps(x) + "\n" for x in lines))
         self.file.flush()
         for line in lines:

@@ -25,12 +25,18 @@ from pathlib import Path
 from pflbench.data.adapters import CORPORA
 from pflbench.errors import UserError
 from pflbench.extension import ExtensionPoint, registering_as
+from pflbench.fl.algorithms import CLIENT_ALGORITHMS
 from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS
 from pflbench.privacy.accountants import ACCOUNTANTS
 
 ENTRY_POINT_GROUP = "pflbench.plugins"
 ENV = "PFLBENCH_PLUGINS"
-EXTENSION_POINTS: tuple[ExtensionPoint, ...] = (CORPORA, SERVER_OPTIMIZERS, ACCOUNTANTS)
+EXTENSION_POINTS: tuple[ExtensionPoint, ...] = (
+    CORPORA,
+    SERVER_OPTIMIZERS,
+    ACCOUNTANTS,
+    CLIENT_ALGORITHMS,
+)
 
 
 @dataclass(frozen=True)

@@ -24,20 +24,15 @@ from pflbench.central import set_cpu_threads
 from pflbench.checkpoint import load_checkpoint, save_checkpoint, save_model
 from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
-from pflbench.evaluate import evaluate_task
+from pflbench.evaluate import evaluate_task, seed_model_summary
+from pflbench.fl.algorithms import check_client_recipe
 from pflbench.fl.distributed import DistContext, barrier, init_from_env, shutdown
 from pflbench.fl.freeze import trained_tensors
 from pflbench.fl.simulator import Simulator
 from pflbench.metrics_log import MetricsLog
 from pflbench.privacy.run import check_run_privacy, epsilon_so_far, privacy_claim, run_sigma_dp
 from pflbench.progress import make_progress
-from pflbench.results.record import (
-    build_record,
-    compute_info,
-    data_info,
-    seed_model_summary,
-    write_record,
-)
+from pflbench.results.record import build_record, compute_info, data_info, write_record
 from pflbench.results.schema import Outputs
 from pflbench.rundir import (
     HYPOTHESES_DIR,
@@ -89,6 +84,7 @@ class Prepared:
     data: object  # data.prepare.TaskData
     model: torch.nn.Module
     seed_path: Path | None
+    config_hash: str  # computed once: checkpoints and the record carry it
 
 
 @dataclass
@@ -114,6 +110,7 @@ def run(
     """Run (or resume) a run; returns its directory."""
     started = time.perf_counter()
     check_run_privacy(config)
+    check_client_recipe(config.recipe.federated.client)
     set_cpu_threads()
     ctx = init_from_env(options.device)
     device = f"cuda:{ctx.local_rank}" if options.device == "cuda" else options.device
@@ -127,7 +124,9 @@ def run(
         data, model, seed_path = _prepare(config, ctx, device, options)
         if not data.federated_train.users():
             raise UserError(f"task {config.task.name!r}: the federated training data has no users")
-        prepared = Prepared(config, run_dir, ctx, device, options, data, model, seed_path)
+        prepared = Prepared(
+            config, run_dir, ctx, device, options, data, model, seed_path, config_hash(config)
+        )
         outcome = TRAININGS[config.recipe.training](prepared)
         if outcome is not None and ctx.is_main:
             _finish(prepared, outcome, time.perf_counter() - started)
@@ -187,48 +186,14 @@ def _prepare(config: RunConfig, ctx: DistContext, device: str, options: RunOptio
 
 def train_federated(p: Prepared) -> Outcome | None:
     """Federated fine-tuning, with DP when the budget has noise: Algorithm 1, step by step."""
-    config, run_dir, ctx, options = p.config, p.run_dir, p.ctx, p.options
+    config, ctx, options = p.config, p.ctx, p.options
     fed = config.recipe.federated
-    sigma_dp = run_sigma_dp(config)
-    # Audit canaries are users too: accounted for.
-    population = len(p.data.federated_train.users()) + config.recipe.privacy.audit_canaries
-
-    tensors, meta = _latest_state(run_dir, options)
-    if "trained" in meta:
-        trained = meta["trained"]
-    else:
-        sizes = {name: t.numel() for name, t in p.model.named_parameters()}
-        trained = trained_tensors(fed.layer_freeze, sizes, p.seed_path, config.task.name)
-    sim = Simulator(
-        p.model, p.data.federated_train, config.recipe, sigma_dp, config.seed, p.device, ctx,
-        trained, options.parallel_clients,
-    )  # fmt: skip
-    if tensors is not None:
-        sim.load_state_dict(tensors)
-    lines: list[dict] = meta.get("metrics", [])
-    seed_summary = meta.get("seed_results")
-    if ctx.is_main and seed_summary is None:
-        seed_summary = seed_model_summary(sim.model, p.data, config, p.device, p.seed_path)
-
-    def save_checkpoint_now() -> None:
-        if not ctx.is_main:
-            return
-        path = run_dir / "checkpoints" / f"step-{sim.step:07d}.safetensors"
-        save_checkpoint(
-            path,
-            sim.state_dict(),
-            {
-                "step": sim.step,
-                "trained": trained,
-                "metrics": lines,
-                "seed_results": seed_summary,
-                "config_hash": config_hash(config),
-                "parallel_clients": options.parallel_clients,
-            },
-        )
-        prune_checkpoints(run_dir, path)
-
-    log = MetricsLog(run_dir, lines, sim.step) if ctx.is_main else None
+    state = _federated_state(p)
+    sim = state.sim
+    # The population the cohorts are drawn from (audit canaries included) is the one the
+    # privacy statement and ε so far are computed for.
+    population = len(sim.population)
+    log = MetricsLog(p.run_dir, state.history, sim.step) if ctx.is_main else None
     show_progress = options.progress and ctx.is_main
     try:
         with federated_progress(show_progress, fed.central_steps, sim.step) as advance:
@@ -237,42 +202,95 @@ def train_federated(p: Prepared) -> Outcome | None:
                     return None
                 started = time.perf_counter()
                 stats = sim.run_step()
-                epsilon = epsilon_so_far(config, sigma_dp, population, sim.step)
+                epsilon = epsilon_so_far(config, state.sigma_dp, population, sim.step)
                 line = step_line(stats, time.perf_counter() - started, epsilon)
                 new = [line]
                 is_eval = sim.step % fed.eval_every == 0 and sim.step < fed.central_steps
                 if is_eval and ctx.is_main:
                     dev = evaluate_task(sim.model, p.data, config.task.eval_sets, {"dev"}, p.device)
                     new.append({"step": sim.step, "eval": wer_cer(dev)})
-                lines += new
                 if log is not None:
                     log.append(new)
                 advance(line)
                 if is_eval or sim.step % options.checkpoint_every == 0:
-                    save_checkpoint_now()
-        save_checkpoint_now()
-        if not ctx.is_main:
+                    _save_federated_checkpoint(p, state)
+        _save_federated_checkpoint(p, state)
+        if log is None:
             return None
         final = evaluate_task(sim.model, p.data, config.task.eval_sets, {"dev", "test"}, p.device)
-        lines.append({"step": sim.step, "eval": wer_cer(final)})
-        log.append(lines[-1:])
+        log.append([{"step": sim.step, "eval": wer_cer(final)}])
     finally:
         if log is not None:
             log.close()
 
-    privacy = privacy_claim(config, sigma_dp, population)
+    privacy = privacy_claim(config, state.sigma_dp, population)
+    if sim.algorithm.privacy_note() is not None:
+        privacy["payload"] = sim.algorithm.privacy_note()
     if sim.audit is not None:
         params = dict(sim.model.named_parameters())
         privacy["audit"] = sim.audit.finish(params, sim.step, privacy["simulated"])
     return Outcome(
         model=sim.model,
         final=final,
-        lines=lines,
-        seed_summary=seed_summary,
+        lines=state.history,
+        seed_summary=state.seed_summary,
         meta={"kind": "federated", "step": sim.step},
         privacy=privacy,
         parallel_clients=sim.client.group_size,
     )
+
+
+@dataclass
+class FederatedState:
+    """What a federated run carries from step to step, and what its checkpoints restore."""
+
+    sim: Simulator
+    sigma_dp: float
+    trained: list[str]  # the tensors clients train (layer freezing picks them once)
+    seed_summary: dict | None  # the seed model's evaluation (rank 0)
+    history: list[dict]  # the metrics lines so far; MetricsLog appends to this very list
+
+
+def _federated_state(p: Prepared) -> FederatedState:
+    """A fresh federated run, or the one its latest checkpoint left."""
+    config = p.config
+    tensors, meta = _latest_state(p.run_dir, p.options)
+    if "trained" in meta:
+        trained = meta["trained"]
+    else:
+        sizes = {name: t.numel() for name, t in p.model.named_parameters()}
+        fed = config.recipe.federated
+        trained = trained_tensors(fed.layer_freeze, sizes, p.seed_path, config.task.name)
+    sigma_dp = run_sigma_dp(config)
+    sim = Simulator(
+        p.model, p.data.federated_train, config.recipe, sigma_dp, config.seed, p.device, p.ctx,
+        trained, p.options.parallel_clients, p.run_dir / "user-state",
+    )  # fmt: skip
+    if tensors is not None:
+        sim.load_state_dict(tensors)
+    seed_summary = meta.get("seed_results")
+    if p.ctx.is_main and seed_summary is None:
+        seed_summary = seed_model_summary(sim.model, p.data, config, p.device, p.seed_path)
+    return FederatedState(sim, sigma_dp, trained, seed_summary, meta.get("metrics", []))
+
+
+def _save_federated_checkpoint(p: Prepared, state: FederatedState) -> None:
+    """Rank 0 writes the step's checkpoint (model, server, algorithm, step, history)."""
+    if not p.ctx.is_main:
+        return
+    sim = state.sim
+    path = p.run_dir / "checkpoints" / f"step-{sim.step:07d}.safetensors"
+    meta = {
+        "step": sim.step,
+        "trained": state.trained,
+        "metrics": state.history,
+        "seed_results": state.seed_summary,
+        "config_hash": p.config_hash,
+        "parallel_clients": p.options.parallel_clients,
+    }
+    save_checkpoint(path, sim.state_dict(), meta)
+    prune_checkpoints(p.run_dir, path)
+    sim.checkpointed()
 
 
 def _latest_state(run_dir: Path, options: RunOptions) -> tuple[dict | None, dict]:
@@ -352,7 +370,7 @@ def _finish(p: Prepared, outcome: Outcome, wall_seconds: float) -> None:
     """The final model, per-utterance errors and hypotheses, the record, and DONE last."""
     meta = {
         **outcome.meta,
-        "config_hash": config_hash(p.config),
+        "config_hash": p.config_hash,
         "seed_checkpoint": str(p.seed_path) if p.seed_path else None,
     }
     final_path = p.run_dir / "checkpoints" / "final.safetensors"

@@ -42,6 +42,7 @@ class StepAggregator:
         clip_bound: float | None = None,
     ):
         """`clip_bound`: this step's bound C_t under adaptive clipping (else the recipe's C)."""
+        self.like = like
         self.names = list(like)
         self.denominator = denominator
         self.bound = privacy.clip_bound if clip_bound is None else clip_bound
@@ -69,7 +70,11 @@ class StepAggregator:
 
     def add_canary(self, update: dict[str, torch.Tensor], user: str) -> None:
         """Fold an audit canary's Δ in like a user's (privacy/audit.py): the same privacy steps,
-        adaptive bit included; it has no data, so it stays out of the training stats."""
+        adaptive bit included; it has no data, so it stays out of the training stats. It sends
+        no payload beyond Δ: the algorithm's entries are zeros."""
+        update = {
+            n: update[n] if n in update else torch.zeros_like(t) for n, t in self.like.items()
+        }
         facts = self._fold(update, user)
         self.canaries += 1
         self.stats[6] += float(_within(facts["norms"].double().cpu(), self.bound))

@@ -2,10 +2,12 @@
 
 `ClientTrainer` is the interface the simulator trains clients through, and the one loop both
 trainers share: `SequentialClientTrainer` here (one client at a time) and `ParallelClientTrainer`
-(fl.parallel: G clients at once under vmap). The local update rule itself (FedProx, local
-clipping, SGD, variational weight noise) is written once in fl.local_update. All randomness
-(batch order, data limit, SpecAugment, dropout/CAPE/layer drop, variational noise) is keyed by
-(seed, step, user), so a client's update does not depend on where, when or with whom it trains.
+(fl.parallel: G clients at once under vmap). The local update rule (local clipping, SGD) is
+written once in fl.local_update, and the client algorithm's hooks (fl.algorithms: FedProx,
+variational noise, the data limit, SCAFFOLD, plug-ins) are called here, once for both. All
+randomness (batch order, data limit, SpecAugment, dropout/CAPE/layer drop, variational noise) is
+keyed by (seed, step, user), so a client's update does not depend on where, when or with whom it
+trains.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from pflbench.data.batching import Batch, collate, dynamic_batches
 from pflbench.data.features import spec_augment
 from pflbench.data.store import Utterance
+from pflbench.fl.algorithms import ClientAlgorithm
 from pflbench.fl.local_update import LocalUpdate
 from pflbench.model.transformer import ctc_loss
 from pflbench.seeds import keyed_generator, keyed_seed
@@ -29,20 +32,11 @@ from pflbench.spec.models import ClientRecipe, SpecAugmentRecipe
 
 @dataclass
 class ClientResult:
-    update: dict[str, torch.Tensor]  # Δ per trained tensor: views of the trainer's reused buffer
+    # Δ per trained tensor, then the algorithm's payload entries: views of reused buffers
+    update: dict[str, torch.Tensor]
     loss: float  # mean training loss over the local steps
     local_steps: int
     frames: int  # input feature frames processed (for throughput and MFU)
-
-
-def limit_utterances(
-    utterances: list[Utterance], max_utterances: int | None, generator: torch.Generator
-) -> list[Utterance]:
-    """Paper 004's per-round data limit: a random subset of at most `max_utterances`."""
-    if max_utterances is None or len(utterances) <= max_utterances:
-        return utterances
-    keep = torch.randperm(len(utterances), generator=generator)[:max_utterances].sort().values
-    return [utterances[i] for i in keep.tolist()]
 
 
 def local_batches(
@@ -64,23 +58,21 @@ def local_batches(
 class ClientPlan:
     """What a client's keys fix before its first local step; both trainers start from it."""
 
-    utterances: list[Utterance]  # after the data limit
+    utterances: list[Utterance]  # the algorithm's selection (e.g. the data limit)
     schedule: list[list[int]]  # the local batches
     generator: torch.Generator  # "client" stream, next used by SpecAugment
-    noise_generator: torch.Generator  # variational weight noise
     model_seed: int  # the model's own draws: dropout, CAPE, layer drop
 
 
 def plan_client(
-    recipe: ClientRecipe, seed: int, step: int, user: str, utterances: list[Utterance], device
+    algorithm: ClientAlgorithm, seed: int, step: int, user: str, utterances: list[Utterance]
 ) -> ClientPlan:
     generator = keyed_generator(seed, step, user, "client")
-    utterances = limit_utterances(utterances, recipe.max_utterances, generator)
+    utterances = algorithm.select_utterances(utterances, generator)
     return ClientPlan(
         utterances=utterances,
-        schedule=local_batches([u.seconds for u in utterances], recipe, generator),
+        schedule=local_batches([u.seconds for u in utterances], algorithm.recipe, generator),
         generator=generator,
-        noise_generator=keyed_generator(seed, step, user, "weights", device=device),
         model_seed=keyed_seed(seed, step, user, "model"),
     )
 
@@ -92,19 +84,12 @@ def clock(device: str, synchronize: bool) -> float:
     return time.perf_counter()
 
 
-def variational_noise_std(recipe: ClientRecipe, step: int) -> float:
-    """Federated variational noise std at central step `step`, ramped linearly from 0."""
-    vn = recipe.variational_noise
-    if vn.ramp_steps == 0:
-        return vn.std
-    return vn.std * min(1.0, step / vn.ramp_steps)
-
-
 class ClientTrainer(ABC):
     """Local SGD of up to `group_size` clients at once, each from the global weights; `trained`
     names the tensors clients update. Both trainers run the same loop: each client's keyed plan,
     batches and SpecAugment, then per local step one forward/backward of the group and one step
-    of the local update rule (fl.local_update) on the trained tensors stacked [G, ...].
+    of the local update rule (fl.local_update) on the trained tensors stacked [G, ...], with the
+    client algorithm's hooks (fl.algorithms) around them.
 
     A trainer says only how the group's forward and backward run (`_forward_backward`, on the
     inputs `_group_inputs` builds) and how the model's own draws (dropout, CAPE, layer drop) are
@@ -115,7 +100,7 @@ class ClientTrainer(ABC):
         self,
         model: torch.nn.Module,
         trained: list[str],
-        recipe: ClientRecipe,
+        algorithm: ClientAlgorithm,
         spec_augment_recipe: SpecAugmentRecipe,
         seed: int,
         device: str,
@@ -126,9 +111,10 @@ class ClientTrainer(ABC):
         gradients as [G, ...] views (what its forward reads and its backward accumulates into)."""
         self.model = model
         self.names = list(trained)
-        self.recipe, self.augment = recipe, spec_augment_recipe
+        self.algorithm = algorithm
+        self.recipe, self.augment = algorithm.recipe, spec_augment_recipe
         self.seed, self.device = seed, device
-        self.update = LocalUpdate(params, grads, recipe)
+        self.update = LocalUpdate(params, grads, self.recipe)
         self.group_size = self.update.group_size
         # Seconds in forward/backward/local update, for `pflbench bench fl`. On CUDA they are
         # only meaningful with `synchronize=True`, which costs a host sync per local step.
@@ -171,12 +157,12 @@ class ClientTrainer(ABC):
         clients: list[tuple[str, list[Utterance]]],
         step: int,
     ) -> Iterator[tuple[str, ClientResult]]:
-        plans = [plan_client(self.recipe, self.seed, step, u, x, self.device) for u, x in clients]
+        algorithm, users = self.algorithm, [u for u, _ in clients]
+        plans = [plan_client(algorithm, self.seed, step, u, x) for u, x in clients]
         self._key_model_draws(plans)
-        noise_generators = [p.noise_generator for p in plans]
-        vn_std = variational_noise_std(self.recipe, step) if self.update.clean_weights else 0.0
 
         self.update.start(global_params)
+        algorithm.start_group(self.update, users, step)
         self.model.train()
         total_loss = torch.zeros(self.group_size, device=self.device)
         frames = [0] * len(plans)
@@ -196,12 +182,11 @@ class ClientTrainer(ABC):
                 batches[g] = (batch, feats)
             inputs = self._group_inputs(batches)
             started = clock(self.device, self.synchronize)
-            if vn_std:
-                self.update.add_weight_noise(vn_std, active, noise_generators)
+            algorithm.perturb(self.update, active)
             self.update.zero_grad()
             losses = self._forward_backward(inputs)
-            if vn_std:  # the gradient is taken at the noisy weights and applied to the clean ones
-                self.update.restore_clean_weights()
+            algorithm.unperturb(self.update)
+            algorithm.correct(self.update)
             self.update.step(idle)
             if idle:
                 losses[idle] = 0.0
@@ -209,13 +194,16 @@ class ClientTrainer(ABC):
             self.compute_seconds += clock(self.device, self.synchronize) - started
 
         deltas = self.update.finish()
+        steps_taken = [len(p.schedule) for p in plans]
+        payloads = algorithm.payload(self.update, users, steps_taken, step)
         losses = total_loss.tolist()
-        for g, (user, _) in enumerate(clients):
-            steps = len(plans[g].schedule)
+        for g, user in enumerate(users):
+            steps = steps_taken[g]
+            update = {name: d[g] for name, d in zip(self.names, deltas, strict=True)}
             yield (
                 user,
                 ClientResult(
-                    update={name: d[g] for name, d in zip(self.names, deltas, strict=True)},
+                    update=update | payloads[g],
                     loss=losses[g] / max(1, steps),
                     local_steps=steps,
                     frames=frames[g],
@@ -232,7 +220,7 @@ class SequentialClientTrainer(ClientTrainer):
         self,
         global_model: torch.nn.Module,
         trained: list[str],
-        recipe: ClientRecipe,
+        algorithm: ClientAlgorithm,
         spec_augment_recipe: SpecAugmentRecipe,
         seed: int,
         device: str,
@@ -245,7 +233,7 @@ class SequentialClientTrainer(ClientTrainer):
         for p in leaves:
             p.grad = torch.zeros_like(p)  # backward accumulates into these very tensors
         super().__init__(
-            model, trained, recipe, spec_augment_recipe, seed, device,
+            model, trained, algorithm, spec_augment_recipe, seed, device,
             params=[p.detach().unsqueeze(0) for p in leaves],
             grads=[p.grad.unsqueeze(0) for p in leaves],
         )  # fmt: skip

@@ -5,13 +5,14 @@ group of G clients in lockstep: local step k of every client in the group is one
 the model over parameters stacked [G, ...]), one CTC over all G·B utterances and one backward,
 each client's batch padded to the group's largest (padding utterances weigh 0 in the loss). The
 summed loss of independent clients gives each client's slice of the stacked gradient exactly its
-own gradient. The loop (keyed batch schedule, SpecAugment) and the local update rule (variational
-noise, FedProx, clipping per local step, SGD; fl.local_update) are the ones one client at a time
-runs, and CAPE draws come from a generator keyed like the sequential trainer's global seed, so
-each update equals the one-at-a-time update up to float rounding (the padded shapes differ).
-Dropout and layer drop draw inside the batched model, where no draw can be keyed per client, so
-they must be 0 (as in the small presets). Whether this is faster depends on the device and model:
-`pflbench bench fl --parallel-clients G` measures it against one client at a time.
+own gradient. The loop (keyed batch schedule, SpecAugment), the local update rule (clipping per
+local step, SGD; fl.local_update) and the client algorithm's hooks (fl.algorithms) are the ones
+one client at a time runs, and CAPE draws come from a generator keyed like the sequential
+trainer's global seed, so each update equals the one-at-a-time update up to float rounding (the
+padded shapes differ). Dropout and layer drop draw inside the batched model, where no draw can be
+keyed per client, so they must be 0 (as in the small presets). Whether this is faster depends on
+the device and model: `pflbench bench fl --parallel-clients G` measures it against one client at
+a time.
 """
 
 from __future__ import annotations
@@ -26,9 +27,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from pflbench.data.batching import Batch
 from pflbench.errors import UserError
+from pflbench.fl.algorithms import ClientAlgorithm
 from pflbench.fl.client import ClientPlan, ClientTrainer
 from pflbench.model.transformer import cape_positions, ctc_losses
-from pflbench.spec.models import ClientRecipe, SpecAugmentRecipe
+from pflbench.spec.models import SpecAugmentRecipe
 
 
 class ParallelClientTrainer(ClientTrainer):
@@ -38,7 +40,7 @@ class ParallelClientTrainer(ClientTrainer):
         self,
         global_model: torch.nn.Module,
         trained: list[str],
-        recipe: ClientRecipe,
+        algorithm: ClientAlgorithm,
         spec_augment_recipe: SpecAugmentRecipe,
         seed: int,
         device: str,
@@ -62,7 +64,7 @@ class ParallelClientTrainer(ClientTrainer):
         for p in self.stacked:
             p.grad = torch.zeros_like(p)  # backward accumulates into these very tensors
         super().__init__(
-            model, trained, recipe, spec_augment_recipe, seed, device,
+            model, trained, algorithm, spec_augment_recipe, seed, device,
             params=[p.detach() for p in self.stacked],
             grads=[p.grad for p in self.stacked],
         )  # fmt: skip

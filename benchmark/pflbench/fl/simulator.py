@@ -3,21 +3,25 @@
     cohort  = sample_cohort(K, S, seed, t)                 # Poisson q = S/K, or fixed S
     mine    = assign_users(cohort, world)[rank]            # balanced by expected local work
     for user in mine:                                      # data prefetched in the background
-        Δ = local_sgd(θ, data(user), t, user)              # θ − θ_local (fl.local_update)
+        Δ, extra = local_sgd(θ, data(user), t, user)       # θ − θ_local (fl.local_update), and
+                                                           # the algorithm's payload (fl.algorithms)
                                                            # (or G users at once: fl.parallel)
-        agg.add(Δ)                                         # zero-if-NaN, clip, (noise), exact sum
-    g = agg.finish()                                       # all-reduce, /qK, + N(0, (Cσ_DP)²)
+        agg.add(Δ ⊕ extra)                                 # zero-if-NaN, clip, (noise), exact sum
+    g ⊕ ḡ = agg.finish()                                   # all-reduce, /qK, + N(0, (Cσ_DP)²)
     θ = server.step(θ, g, lr(t))                           # LAMB by default
+    algorithm.server_step(ḡ)                               # e.g. SCAFFOLD's control variate
 
-Every random choice is keyed by (seed, t, user), so the state to resume from is just the model,
-the server optimizer and t.
+Every random choice is keyed by (seed, t, user), so the state to resume from is the model, the
+server optimizer, the algorithm's state (the server's, and each user's: fl.user_state) and t.
 """
 
 from __future__ import annotations
 
+import tempfile
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -25,14 +29,16 @@ import torch
 from pflbench.data.batching import chunks
 from pflbench.data.store import FeatureStore
 from pflbench.fl.aggregate import StepAggregator
+from pflbench.fl.algorithms import CLIENT_ALGORITHMS, AlgorithmContext, ClientAlgorithm
 from pflbench.fl.client import ClientTrainer, SequentialClientTrainer
-from pflbench.fl.distributed import DistContext, assign_users
+from pflbench.fl.distributed import DistContext, assign_users, barrier
 from pflbench.fl.parallel import ParallelClientTrainer
 from pflbench.fl.server import ServerOptimizer, exponential_decay_lr
+from pflbench.fl.user_state import UserStateStore
 from pflbench.privacy.adaptive import next_clip_bound
 from pflbench.privacy.audit import CanaryAudit
 from pflbench.privacy.sampling import expected_cohort, sample_cohort
-from pflbench.spec.models import ClientRecipe, Recipe
+from pflbench.spec.models import Recipe
 
 PREFETCH_DEPTH = 2  # users whose data loads while the current one trains
 
@@ -48,26 +54,29 @@ def prefetched(load: Callable[[str], Any], keys: list[str]) -> Iterator[tuple[st
             yield key, value
 
 
-def expected_work(seconds: float, utterances: int, recipe: ClientRecipe) -> float:
+def expected_work(seconds: float, utterances: int, algorithm: ClientAlgorithm) -> float:
     """Seconds of audio a user's local training processes: what straggler balancing weighs."""
-    if recipe.max_utterances is not None and utterances > recipe.max_utterances:
-        seconds *= recipe.max_utterances / utterances
+    recipe = algorithm.recipe
+    used = algorithm.utterances_used(utterances)
+    if used < utterances:
+        seconds *= used / utterances
     if recipe.local_steps is not None:
         return recipe.local_steps * min(seconds, recipe.batch_seconds)
     return recipe.local_epochs * seconds
 
 
-def update_bound(recipe: ClientRecipe, max_user_utterances: int) -> float:
+def update_bound(algorithm: ClientAlgorithm, max_user_utterances: int) -> float:
     """|Δ_i| ≤ ‖Δ‖ ≤ lr·C_loc·(local steps): the range of an unclipped update."""
+    recipe = algorithm.recipe
     steps = recipe.local_steps
     if steps is None:
-        utterances = min(max_user_utterances, recipe.max_utterances or max_user_utterances)
-        steps = recipe.local_epochs * max(1, utterances)
+        steps = recipe.local_epochs * max(1, algorithm.utterances_used(max_user_utterances))
     return recipe.lr * recipe.grad_clip * steps
 
 
 class Simulator:
-    """Owns the global model's trained tensors, the client trainer and the server optimizer."""
+    """Owns the global model's trained tensors, the client algorithm and trainer, and the server
+    optimizer. `user_state_dir` keeps the users' algorithm state (a temporary folder if None)."""
 
     def __init__(
         self,
@@ -80,6 +89,7 @@ class Simulator:
         ctx: DistContext,
         trained: list[str] | None = None,
         parallel_clients: int = 1,
+        user_state_dir: Path | None = None,
     ):
         self.model = model.to(device)
         self.store, self.recipe, self.sigma_dp = store, recipe, sigma_dp
@@ -90,20 +100,7 @@ class Simulator:
         fed = recipe.federated
         if parallel_clients < 1:
             raise ValueError(f"parallel_clients must be at least 1, got {parallel_clients}")
-        client_args = (model, self.names, fed.client, recipe.spec_augment, seed, device)
-        self.client: ClientTrainer = (
-            SequentialClientTrainer(*client_args)
-            if parallel_clients == 1
-            else ParallelClientTrainer(*client_args, group_size=parallel_clients)
-        )
-        self.server = ServerOptimizer(fed.server, self.names, self.params)
         self.users = sorted(store.users())
-        counts = [store.user_num_utterances(u) for u in self.users]
-        self.work = [
-            expected_work(store.user_seconds(u), n, fed.client)
-            for u, n in zip(self.users, counts, strict=True)
-        ]
-        self.update_bound = update_bound(fed.client, max(counts, default=1))
         # Audit canaries are extra users: sampled like the others, trained by nobody.
         self.audit = None
         self.population = self.users
@@ -111,12 +108,41 @@ class Simulator:
             trained = dict(zip(self.names, self.params, strict=True))
             self.audit = CanaryAudit(recipe, seed, trained, self.users)
             self.population = self.users + self.audit.ids
-            self.work += [0.0] * len(self.audit.ids)
         self.denominator = (
             expected_cohort(len(self.population), fed.cohort_size)
             if fed.sampling == "poisson"
             else min(fed.cohort_size, len(self.population))
         )
+        if user_state_dir is None:
+            self._user_state_tmp = tempfile.TemporaryDirectory(prefix="pflbench-user-state-")
+            user_state_dir = Path(self._user_state_tmp.name)
+        context = AlgorithmContext(
+            names=self.names,
+            params=self.params,
+            seed=seed,
+            device=device,
+            user_states=UserStateStore(user_state_dir),
+            sampling_rate=self.denominator / len(self.population),
+        )
+        self.algorithm = CLIENT_ALGORITHMS[fed.client.algorithm](fed.client, context)
+        client_args = (model, self.names, self.algorithm, recipe.spec_augment, seed, device)
+        self.client: ClientTrainer = (
+            SequentialClientTrainer(*client_args)
+            if parallel_clients == 1
+            else ParallelClientTrainer(*client_args, group_size=parallel_clients)
+        )
+        self.server = ServerOptimizer(fed.server, self.names, self.params)
+        counts = [store.user_num_utterances(u) for u in self.users]
+        self.work = [
+            expected_work(store.user_seconds(u), n, self.algorithm)
+            for u, n in zip(self.users, counts, strict=True)
+        ] + [0.0] * (len(self.population) - len(self.users))
+        self.update_bound = self.algorithm.payload_bound(
+            update_bound(self.algorithm, max(counts, default=1))
+        )
+        # What each client sends: Δ per trained tensor, then the algorithm's entries.
+        self.payload_like = dict(zip(self.names, self.params, strict=True))
+        self.payload_like |= self.algorithm.payload_like()
         self.clip_bound = recipe.privacy.clip_bound  # C_t: moves under adaptive clipping
         self.step = 0
 
@@ -133,7 +159,7 @@ class Simulator:
         """One central step; returns its stats (identical on every rank)."""
         step = self.step
         aggregator = StepAggregator(
-            dict(zip(self.names, self.params, strict=True)),
+            self.payload_like,
             self.recipe.privacy,
             self.sigma_dp,
             self.denominator,
@@ -150,10 +176,12 @@ class Simulator:
         for group in chunks(users, self.client.group_size):
             for user, result in self.client.train_group(self.params, group, step):
                 aggregator.add(result.update, user, result.loss, result.local_steps, result.frames)
-        grads, stats = aggregator.finish()
+        averaged, stats = aggregator.finish()
         fed = self.recipe.federated
         lr = exponential_decay_lr(step, fed.server.lr, fed.server.decay)
-        self.server.step(grads, lr)
+        self.server.step(averaged[: len(self.names)], lr)
+        extra = list(self.payload_like)[len(self.names) :]
+        self.algorithm.server_step(dict(zip(extra, averaged[len(self.names) :], strict=True)))
         adaptive = self.recipe.privacy.adaptive_clip
         if adaptive is not None:
             self.clip_bound = next_clip_bound(
@@ -162,22 +190,32 @@ class Simulator:
         self.step += 1
         return {"step": step, "lr": lr, **stats}
 
+    def checkpointed(self) -> None:
+        """After a checkpoint at this step: drop the users' states no resume can read."""
+        self.algorithm.context.user_states.prune(self.step)
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
         tensors.update({f"server.{k}": v for k, v in self.server.state_dict().items()})
+        tensors.update({f"algorithm.{k}": v for k, v in self.algorithm.state_dict().items()})
         tensors["step"] = torch.tensor(self.step, dtype=torch.int64)
         tensors["clip_bound"] = torch.tensor(self.clip_bound, dtype=torch.float64)
         return tensors
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
-        self.model.load_state_dict(
-            {k.removeprefix("model."): v for k, v in tensors.items() if k.startswith("model.")}
-        )
-        self.server.load_state_dict(
-            {k.removeprefix("server."): v for k, v in tensors.items() if k.startswith("server.")}
-        )
+        self.model.load_state_dict(_under("model.", tensors))
+        self.server.load_state_dict(_under("server.", tensors))
+        self.algorithm.load_state_dict(_under("algorithm.", tensors))
         self.step = int(tensors["step"])
+        # What users' state the killed process wrote after this checkpoint is not the run's.
+        if self.ctx.is_main:
+            self.algorithm.context.user_states.rewind(self.step)
+        barrier(self.ctx)
         if "clip_bound" in tensors:  # checkpoints before adaptive clipping: the recipe's bound
             self.clip_bound = float(tensors["clip_bound"])
         # Frozen tensors live in the client's copy too; keep it in sync with the global model.
         self.client.load_frozen(self.model)
+
+
+def _under(prefix: str, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k.removeprefix(prefix): v for k, v in tensors.items() if k.startswith(prefix)}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import platform
 import subprocess
@@ -14,7 +13,7 @@ import torch
 
 from pflbench import __version__
 from pflbench.digests import tensors_digest
-from pflbench.evaluate import evaluate_task
+from pflbench.evaluate import eval_summary
 from pflbench.files import atomic_write_text
 from pflbench.numerics import NUMERICS_VERSION, cpu_kernels, package_versions
 from pflbench.plugins import loaded_plugins
@@ -36,51 +35,9 @@ from pflbench.results.schema import (
     compute_record_id,
 )
 from pflbench.spec.models import RunConfig
-from pflbench.spec.resolve import canonical_json, config_hash
+from pflbench.spec.resolve import config_hash
 
 UNSET_ID = "0" * 16  # a record's id hashes its content, so it is set last
-SUMMARY_KEYS = (  # what a record keeps of an evaluation (evaluate.score) per eval set
-    "cer",
-    "speaker_wer_mean",
-    "speaker_wer_p10",
-    "speaker_wer_p50",
-    "speaker_wer_p90",
-    "num_utterances",
-)
-
-
-def eval_summary(results: dict) -> dict:
-    """evaluate_task's results, reduced to a record's EvalResult fields (JSON-ready)."""
-    return {
-        name: {
-            "role": r["role"],
-            "wer": r["wer"],
-            **{key: r[key] for key in SUMMARY_KEYS},
-            "speakers": r["speaker_counts"],
-            "groups": r["groups"] or None,
-        }
-        for name, r in results.items()
-    }
-
-
-def seed_model_summary(model, data, config: RunConfig, device: str, seed_path) -> dict:
-    """The starting model's dev/test summary. Every run of a task starts from the same seed
-    model, so its evaluation is cached next to the checkpoint, keyed by the eval sets' data."""
-    eval_sets = {e.name: [e.role, data.eval_sets[e.name].digest] for e in config.task.eval_sets}
-    key = canonical_json({"pflbench": __version__, "eval_sets": eval_sets, "summary": "p50"})
-    cache = None
-    if seed_path is not None:
-        cache = Path(seed_path).with_name(
-            f"eval-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-        )
-        if cache.is_file():
-            return json.loads(cache.read_text())
-    summary = eval_summary(
-        evaluate_task(model, data, config.task.eval_sets, {"dev", "test"}, device)
-    )
-    if cache is not None:
-        atomic_write_text(cache, json.dumps(summary, indent=2, sort_keys=True) + "\n")
-    return summary
 
 
 def build_record(

@@ -27,8 +27,7 @@ from typing import Any
 
 from pflbench.data.prepare import EvalData, prepare_eval_data
 from pflbench.errors import UserError
-from pflbench.evaluate import Transcript, score, with_groups
-from pflbench.results.record import eval_summary
+from pflbench.evaluate import Transcript, eval_summary, score, with_groups
 from pflbench.results.schema import EvalResult, Outputs, ResultRecord
 from pflbench.rundir import HYPOTHESES_DIR, hypotheses_file, read_hypotheses
 from pflbench.spec.models import EvalSet, Task

@@ -209,6 +209,11 @@ class PrivacyClaim(Open):
     simulated: ScaleClaim | None = None
     extrapolated: ScaleClaim | None = None
     how: str | None = None
+    payload: str | None = Field(
+        None,
+        description="What a client algorithm sends beside its update, and how the clipping and"
+        " noise cover it (absent: the update alone).",
+    )
     audit: PrivacyAudit | None = None
 
 

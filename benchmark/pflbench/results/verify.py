@@ -33,10 +33,10 @@ from pflbench.checkpoint import load_model
 from pflbench.data.prepare import EvalData
 from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
-from pflbench.evaluate import evaluate_task
+from pflbench.evaluate import eval_summary, evaluate_task
 from pflbench.files import atomic_write_text
 from pflbench.results.leaderboard import VERIFICATION_FILE, filed_dir
-from pflbench.results.record import device_name, eval_summary
+from pflbench.results.record import device_name
 from pflbench.results.rescore import (
     DataOptions,
     check_eval_data,

@@ -8,7 +8,7 @@ that built-in modules and plug-ins fill, and lists the known names in its errors
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
 
@@ -29,7 +29,7 @@ class Strict(BaseModel):
         for name, field in type(self).model_fields.items():
             extra = field.json_schema_extra
             if isinstance(extra, dict) and extra.get("added_later") and name in data:
-                if getattr(self, name) == field.default:
+                if getattr(self, name) == field.get_default(call_default_factory=True):
                     del data[name]
         return data
 
@@ -134,6 +134,19 @@ class LayerFreeze(Strict):
 
 
 class ClientRecipe(Strict):
+    algorithm: str = Field(
+        "fedavg",
+        description="A registered client algorithm (pflbench/fl/algorithms: fedavg, fedprox,"
+        " fvn, data-limit and more; plug-ins add more). fedprox reads fedprox_mu, fvn"
+        " variational_noise, data-limit max_utterances; an algorithm refuses the fields it does"
+        " not read.",
+        json_schema_extra=ADDED_LATER,
+    )
+    algorithm_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="A plug-in algorithm's options, checked by the algorithm's Options model.",
+        json_schema_extra=ADDED_LATER,
+    )
     optimizer: Literal["sgd"] = "sgd"
     lr: float = Field(0.2, gt=0)
     local_steps: int | None = Field(10, ge=1)
