@@ -119,3 +119,4 @@ def test_bench_fl_reports_the_parallel_speedup():
     assert figures["parallel_speedup"] == pytest.approx(one / grouped, rel=1e-12)
     # client training is timed inside the central step: a fraction of its wall time is outside
     assert 0 <= figures["outside_client_fraction"] < 1 and figures["local_step_seconds"] > 0
+    assert 0 < figures["aggregation_fraction"] <= figures["outside_client_fraction"]

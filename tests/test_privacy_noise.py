@@ -160,3 +160,15 @@ def test_noise_std_must_be_valid():
         add_gaussian_noise(zeros(), -1.0, noise_generator(0, 0))
     with pytest.raises(ValueError):
         add_gaussian_noise(zeros(), float("nan"), noise_generator(0, 0))
+
+
+def test_exact_sum_trusts_only_a_bound_within_range_and_checks_otherwise():
+    total = ExactSum({"w": torch.zeros(3)}, max_abs=1.0)
+    total.add({"w": torch.tensor([0.5, -0.25, 1.0])}, largest=1.0)  # proven in range: no pass
+    with pytest.raises(ValueError, match="magnitude 2.0 exceeds max_abs=1.0"):
+        total.add({"w": torch.tensor([2.0, 0.0, 0.0])}, largest=None)
+    with pytest.raises(ValueError, match="magnitude 3.0 exceeds"):
+        total.add({"w": torch.tensor([3.0, 0.0, 0.0])}, largest=5.0)  # a bound over: checked
+    assert torch.equal(
+        total.result(torch.float64)["w"], torch.tensor([0.5, -0.25, 1.0], dtype=torch.float64)
+    )

@@ -58,18 +58,34 @@ def steps_for(sigma_dp: float = SIGMA, clip_bound: float = C, **privacy):
 def test_zero_nonfinite_zeroes_a_broken_update_and_says_so():
     update = random_update()
     update["out.b"][3] = float("inf")
-    assert ZeroNonfinite().apply(update, "u") == {"nonfinite": True}
+    facts = ZeroNonfinite().apply(update, "u", {})
+    assert facts["nonfinite"] is True and not facts["norms"].any()
     assert all(not t.any() for t in update.values())
     finite = random_update()
     kept = copy(finite)
-    assert ZeroNonfinite().apply(finite, "u") == {"nonfinite": False}
+    facts = ZeroNonfinite().apply(finite, "u", {})
+    assert facts["nonfinite"] is False
+    assert torch.equal(facts["norms"], layer_norms(list(kept.values())))  # measured once
     assert same(finite, kept)
+
+
+def test_the_clips_reuse_measured_norms_and_bound_every_element_after_them():
+    """One measurement (ZeroNonfinite's) serves the clip; the clipped update equals one clipped
+    from scratch; `largest` bounds every element, so the exact sum may skip its range pass."""
+    for step in (ClipGlobal(C), ClipPerLayer(C, "dim", "clip"), MeasureNorms()):
+        update, fresh = random_update(), random_update()
+        seen = ZeroNonfinite().apply(update, "u", {})
+        facts = step.apply(update, "u", seen)
+        step.apply(fresh, "u", {})
+        assert same(update, fresh)
+        largest = max(float(t.abs().max()) for t in update.values())
+        assert largest <= facts["largest"] <= 1.01 * float(layer_norms(list(update.values())).max())
 
 
 def test_clip_global_bounds_the_norm_keeps_the_direction_and_reports_the_norms_before():
     update = random_update()  # norm ~70, far over C
     before = copy(update)
-    facts = ClipGlobal(C).apply(update, "u")
+    facts = ClipGlobal(C).apply(update, "u", {})
     assert facts["clipped"] is True
     assert torch.equal(facts["norms"], layer_norms(list(before.values())))
     assert C * (1 - 1e-6) < total_norm(update) <= C
@@ -78,7 +94,7 @@ def test_clip_global_bounds_the_norm_keeps_the_direction_and_reports_the_norms_b
         torch.testing.assert_close(update[name], before[name] * scale, rtol=1e-5, atol=0)
     small = random_update(scale=1e-4)  # norm ~7e-3, inside C: left bitwise alone
     kept = copy(small)
-    assert ClipGlobal(C).apply(small, "u")["clipped"] is False
+    assert ClipGlobal(C).apply(small, "u", {})["clipped"] is False
     assert same(small, kept)
 
 
@@ -89,7 +105,7 @@ def test_clip_per_layer_bounds_every_layer_by_its_rule(mode, rule):
     update = random_update()
     update["out.b"] *= 1e-6  # one layer far under its bound
     before = copy(update)
-    facts = ClipPerLayer(C, mode, rule).apply(update, "u")
+    facts = ClipPerLayer(C, mode, rule).apply(update, "u", {})
     assert facts["clipped"] is True
     assert torch.equal(facts["norms"], layer_norms(list(before.values())))
     after = layer_norms(list(update.values()))
@@ -104,7 +120,7 @@ def test_clip_per_layer_bounds_every_layer_by_its_rule(mode, rule):
 def test_measure_norms_leaves_the_update_alone():
     update = random_update()
     kept = copy(update)
-    facts = MeasureNorms().apply(update, "u")
+    facts = MeasureNorms().apply(update, "u", {})
     assert facts["clipped"] is False
     assert torch.equal(facts["norms"], layer_norms(list(kept.values())))
     assert same(update, kept)
@@ -115,15 +131,15 @@ def test_client_noise_has_std_c_sigma_sqrt_denominator_from_the_user_s_stream():
     noise = mechanism.per_user[-1]
     assert isinstance(noise, AddClientNoise)
     update = {"w": torch.zeros(400_000)}
-    assert noise.apply(update, "alice") == {}
+    assert noise.apply(update, "alice", {}) == {"largest": None}  # the sum checks every element
     # The std estimate's relative standard error is 1/sqrt(2n) ~ 0.1%.
     assert float(update["w"].double().std()) == pytest.approx(C * SIGMA * math.sqrt(S), rel=0.01)
     generator = noise_generator(SEED, STEP, user="alice")
     expected = torch.randn(400_000, generator=generator) * (C * SIGMA * math.sqrt(S))
     torch.testing.assert_close(update["w"], expected, rtol=1e-6, atol=0)
     again, other = {"w": torch.zeros(400_000)}, {"w": torch.zeros(400_000)}
-    noise.apply(again, "alice")
-    noise.apply(other, "bob")
+    noise.apply(again, "alice", {})
+    noise.apply(other, "bob", {})
     assert torch.equal(again["w"], update["w"]) and not torch.allclose(other["w"], update["w"])
 
 
@@ -253,10 +269,12 @@ def test_the_factory_builds_every_mechanism_the_recipe_allows_and_refuses_nothin
         assert rest == ([client_noise] if noisy and placement == "client" else [])
         assert len(mechanism.aggregate) == int(noisy and placement == "server")
         assert (mechanism.unclipped_fraction is None) == (adaptive is None)
-        facts = {}
+        facts: dict = {}
+        update = random_update()
         for step in mechanism.per_user:
-            facts |= step.apply(random_update(), "u")
-        assert set(facts) == {"nonfinite", "norms", "clipped"}
+            facts |= step.apply(update, "u", facts)
+        assert set(facts) == {"nonfinite", "norms", "clipped", "largest"}
+        assert (facts["largest"] is None) == (noisy and placement == "client")
         built += 1
     # Per σ: 3 clippings × 2 modes × 2 rules × 2 placements, and with adaptive clipping
     # 2 clippings × 2 modes × 2 rules on the server.

@@ -16,6 +16,8 @@ all-reduced over gloo, see fl.distributed).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from pflbench.fl.distributed import all_reduce_sum
@@ -55,6 +57,7 @@ class StepAggregator:
         # Σ‖Δ_h‖ and Σ‖Δ_h‖².
         self.stats = torch.zeros(HEAD + 2 * num_layers, dtype=torch.float64)
         self.canaries = torch.zeros(1, dtype=torch.float64)  # audit canaries: users without data
+        self.seconds = 0.0  # in the per-user privacy steps and the sum (`pflbench bench fl`)
 
     def add(
         self, update: dict[str, torch.Tensor], user: str, loss: float, steps: int, frames: int
@@ -82,10 +85,12 @@ class StepAggregator:
     def _fold(self, update: dict[str, torch.Tensor], user: str) -> dict:
         """Run the per-user privacy steps and add the result to the exact sum; returns what the
         steps saw (privacy/steps.py)."""
-        facts = {}
+        facts: dict = {}
+        started = time.perf_counter()
         for user_step in self.mechanism.per_user:
-            facts |= user_step.apply(update, user)
-        self.sum.add(update)
+            facts |= user_step.apply(update, user, facts)
+        self.sum.add(update, largest=facts.get("largest"))
+        self.seconds += time.perf_counter() - started
         return facts
 
     def finish(self) -> tuple[list[torch.Tensor], dict]:

@@ -145,6 +145,7 @@ class Simulator:
         self.payload_like |= self.algorithm.payload_like()
         self.clip_bound = recipe.privacy.clip_bound  # C_t: moves under adaptive clipping
         self.step = 0
+        self.aggregation_seconds = 0.0  # per-user privacy steps and exact sum (`bench fl`)
 
     def my_users(self, step: int) -> list[str]:
         """This process's share of step `step`'s cohort."""
@@ -177,6 +178,7 @@ class Simulator:
             for user, result in self.client.train_group(self.params, group, step):
                 aggregator.add(result.update, user, result.loss, result.local_steps, result.frames)
         averaged, stats = aggregator.finish()
+        self.aggregation_seconds += aggregator.seconds
         fed = self.recipe.federated
         lr = exponential_decay_lr(step, fed.server.lr, fed.server.decay)
         self.server.step(averaged[: len(self.names)], lr)

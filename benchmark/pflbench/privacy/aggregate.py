@@ -38,17 +38,25 @@ class ExactSum:
             torch.zeros(t.shape, dtype=torch.int64, device=t.device) for t in like.values()
         ]
 
-    def add(self, update: dict[str, Tensor]) -> None:
+    def add(self, update: dict[str, Tensor], largest: float | None = None) -> None:
+        """Add one term. `largest`: a proven bound on its elements (the privacy steps derive one
+        from the norms they measured); within max_abs it spares the range pass, otherwise (or
+        when None) every element is checked."""
         if list(update) != self._names:
             raise ValueError("update keys differ from the ExactSum's keys (or their order)")
         if self.terms >= self.max_terms:
             raise ValueError(f"ExactSum already holds max_terms={self.max_terms} terms")
         tensors = list(update.values())
-        largest = float(torch.stack(torch._foreach_norm(tensors, float("inf"))).max())
-        if not largest <= self.max_abs:  # also catches NaN
-            raise ValueError(f"an element of magnitude {largest} exceeds max_abs={self.max_abs}")
-        for total, tensor in zip(self._sums, tensors, strict=True):
-            total.add_(torch.round(tensor.to(torch.float64) * self.scale).to(torch.int64))
+        if largest is None or not largest <= self.max_abs:
+            largest = float(torch.stack(torch._foreach_norm(tensors, float("inf"))).max())
+            if not largest <= self.max_abs:  # also catches NaN
+                raise ValueError(
+                    f"an element of magnitude {largest} exceeds max_abs={self.max_abs}"
+                )
+        # Quantize: x·scale in fp64 (exact: a power of two), rounded half to even, as int64.
+        scaled = torch._foreach_mul([t.to(torch.float64) for t in tensors], self.scale)
+        torch._foreach_round_(scaled)
+        torch._foreach_add_(self._sums, [s.to(torch.int64) for s in scaled])
         self.terms += 1
 
     def buffers(self) -> list[Tensor]:

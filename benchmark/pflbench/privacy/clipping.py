@@ -77,7 +77,8 @@ def layer_norms(tensors: Sequence[Tensor]) -> Tensor:
         if t.dtype == torch.float64 and t.numel():
             # Divided by the largest element, no square underflows; an Inf/NaN gives NaN.
             largest = t.abs().max()
-            norms[i] = largest * torch.linalg.vector_norm(t / largest) if largest > 0 else 0.0
+            # (`largest == 0` is False for a NaN: the norm is NaN, as it must be.)
+            norms[i] = 0.0 if largest == 0 else largest * torch.linalg.vector_norm(t / largest)
     return norms
 
 
@@ -101,11 +102,13 @@ def clip_update(
     perlayer_mode: Literal["uniform", "dim"] = "dim",
     in_place: bool = False,
     perlayer_rule: Literal["clip", "normalize"] = "clip",
+    norms: Tensor | None = None,
 ) -> ClipResult:
     """Clip `update` to L2 norm `bound` (global) or per layer to C_h by `perlayer_rule`.
 
     Layers left alone are returned unchanged (factor exactly 1). Call `zero_if_nonfinite`
-    first: a NaN/Inf update has no meaningful norm.
+    first: a NaN/Inf update has no meaningful norm. `norms`: the update's `layer_norms`, where
+    already measured.
     """
     if not update:
         raise ValueError("clip_update needs a non-empty update")
@@ -114,7 +117,7 @@ def clip_update(
     if perlayer_rule not in ("clip", "normalize"):
         raise ValueError(f"unknown per-layer rule {perlayer_rule!r}; expected clip or normalize")
     tensors = list(update.values())
-    norms = layer_norms(tensors)
+    norms = layer_norms(tensors) if norms is None else norms
     total_norm = float(torch.linalg.vector_norm(norms))
     margins = torch.tensor(
         [rounding_margin(t.dtype, t.numel(), len(tensors)) for t in tensors],
@@ -193,19 +196,16 @@ def _scale(tensors: list[Tensor], factors: Tensor, targets: list[tuple[float, in
         )
 
 
-def zero_if_nonfinite(update: dict[str, Tensor]) -> bool:
+def zero_if_nonfinite(update: dict[str, Tensor], norms: Tensor | None = None) -> bool:
     """Zero the whole update in place if any element is NaN/Inf; return whether it was.
+    `norms`: the update's `layer_norms` where already measured (they are NaN/Inf exactly where
+    the update holds a NaN/Inf, so the check costs no pass of its own).
 
     A zero update is inside every clipping bound, so replacing a broken user keeps DP intact.
     """
     tensors = list(update.values())
-    # The max-abs norm is NaN or Inf exactly when the tensor holds a NaN or an Inf (it is
-    # undefined for empty tensors, which hold neither).
-    nonempty = [t for t in tensors if t.numel()]
-    if not nonempty:
-        return False
-    finite = torch.isfinite(torch.stack(torch._foreach_norm(nonempty, float("inf")))).all()
-    if bool(finite):
+    norms = layer_norms(tensors) if norms is None else norms
+    if bool(torch.isfinite(norms).all()):
         return False
     torch._foreach_zero_(tensors)
     return True

@@ -2,13 +2,18 @@
 "postprocessors" of Apple's pfl-research).
 
 Per-user steps change a user's update (name -> tensor) in place, before it goes into the sum,
-and return what they saw, for the step's stats (never released):
+and return what they saw, for the step's stats (never released) and for the next steps:
 
-    ZeroNonfinite     a NaN/Inf update becomes zeros            {"nonfinite"}
-    ClipGlobal        ‖Δ‖ ≤ C                                   {"norms", "clipped"}
-    ClipPerLayer      ‖Δ_h‖ ≤ C_h with Σ C_h² = C²              {"norms", "clipped"}
-    MeasureNorms      no clipping: only the norms               {"norms", "clipped"}
-    AddClientNoise    + N(0, C²σ²S), from the user's own stream {}
+    ZeroNonfinite     a NaN/Inf update becomes zeros            {"nonfinite", "norms"}
+    ClipGlobal        ‖Δ‖ ≤ C                                   {"norms", "clipped", "largest"}
+    ClipPerLayer      ‖Δ_h‖ ≤ C_h with Σ C_h² = C²              {"norms", "clipped", "largest"}
+    MeasureNorms      no clipping: only the norms               {"norms", "clipped", "largest"}
+    AddClientNoise    + N(0, C²σ²S), from the user's own stream {"largest": None}
+
+One pass over the update measures it: ZeroNonfinite's fp64 layer norms are NaN/Inf exactly where
+the update holds a NaN/Inf, and the clipping reuses them. "largest" bounds every element after the
+step (an element is at most its layer's L2 norm), so the exact sum skips its own range pass when
+the bound already proves the range (None: unknown, the sum checks).
 
 Aggregate steps change the averaged update once: AddServerNoise adds N(0, (C·σ)²). Adaptive
 clipping also releases the fraction of users within the bound (ReleaseUnclippedFraction), a
@@ -21,10 +26,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
+import torch
 from torch import Tensor
 
 from pflbench.privacy.adaptive import noisy_unclipped_fraction, update_noise
-from pflbench.privacy.clipping import clip_update, layer_norms, zero_if_nonfinite
+from pflbench.privacy.clipping import ClipResult, clip_update, layer_norms, zero_if_nonfinite
 from pflbench.privacy.noise import (
     add_gaussian_noise,
     client_noise_std,
@@ -39,9 +45,10 @@ NOISE_HEADROOM = 40.0
 
 
 class UserStep(Protocol):
-    """Changes one user's update in place; returns what it saw of it, for the stats."""
+    """Changes one user's update in place; returns what it saw of it (`seen`: what the steps
+    before it returned), for the stats and the next steps."""
 
-    def apply(self, update: dict[str, Tensor], user: str) -> dict: ...
+    def apply(self, update: dict[str, Tensor], user: str, seen: dict) -> dict: ...
 
 
 class AggregateStep(Protocol):
@@ -58,8 +65,11 @@ class AggregateStep(Protocol):
 class ZeroNonfinite:
     """Zero an update holding a NaN/Inf: zeros are inside every bound, so DP holds."""
 
-    def apply(self, update: dict[str, Tensor], user: str) -> dict:
-        return {"nonfinite": zero_if_nonfinite(update)}
+    def apply(self, update: dict[str, Tensor], user: str, seen: dict) -> dict:
+        norms = layer_norms(list(update.values()))
+        if zero_if_nonfinite(update, norms):
+            return {"nonfinite": True, "norms": torch.zeros_like(norms)}
+        return {"nonfinite": False, "norms": norms}
 
 
 @dataclass(frozen=True)
@@ -68,9 +78,9 @@ class ClipGlobal:
 
     bound: float
 
-    def apply(self, update: dict[str, Tensor], user: str) -> dict:
-        clipped = clip_update(update, "global", self.bound, in_place=True)
-        return {"norms": clipped.norms, "clipped": clipped.changed}
+    def apply(self, update: dict[str, Tensor], user: str, seen: dict) -> dict:
+        clipped = clip_update(update, "global", self.bound, in_place=True, norms=seen.get("norms"))
+        return _clipped_facts(clipped)
 
 
 @dataclass(frozen=True)
@@ -82,7 +92,7 @@ class ClipPerLayer:
     mode: Literal["uniform", "dim"]
     rule: Literal["clip", "normalize"]
 
-    def apply(self, update: dict[str, Tensor], user: str) -> dict:
+    def apply(self, update: dict[str, Tensor], user: str, seen: dict) -> dict:
         clipped = clip_update(
             update,
             "perlayer",
@@ -90,16 +100,18 @@ class ClipPerLayer:
             perlayer_mode=self.mode,
             in_place=True,
             perlayer_rule=self.rule,
+            norms=seen.get("norms"),
         )
-        return {"norms": clipped.norms, "clipped": clipped.changed}
+        return _clipped_facts(clipped)
 
 
 @dataclass(frozen=True)
 class MeasureNorms:
     """No clipping: the update stays as it is, its per-layer norms still go into the stats."""
 
-    def apply(self, update: dict[str, Tensor], user: str) -> dict:
-        return {"norms": layer_norms(list(update.values())), "clipped": False}
+    def apply(self, update: dict[str, Tensor], user: str, seen: dict) -> dict:
+        norms = seen["norms"] if "norms" in seen else layer_norms(list(update.values()))
+        return {"norms": norms, "clipped": False, "largest": _largest(norms)}
 
 
 @dataclass(frozen=True)
@@ -112,10 +124,27 @@ class AddClientNoise:
     step: int
     device: str
 
-    def apply(self, update: dict[str, Tensor], user: str) -> dict:
+    def apply(self, update: dict[str, Tensor], user: str, seen: dict) -> dict:
         generator = noise_generator(self.seed, self.step, user=user, device=self.device)
         add_gaussian_noise(update, self.std, generator)
-        return {}
+        return {"largest": None}  # the noise's elements are not bounded by a norm taken before
+
+
+def _clipped_facts(clipped: ClipResult) -> dict:
+    # After clipping a layer's norm is at most its measured norm times its factor (the margin
+    # keeps scaled layers under their bound; others are as measured).
+    return {
+        "norms": clipped.norms,
+        "clipped": clipped.changed,
+        "largest": _largest(clipped.norms * clipped.factors),
+    }
+
+
+def _largest(norms: Tensor) -> float:
+    """A bound on every element of layers with these fp64 L2 norms: each element is at most its
+    layer's norm; the factor covers the norms' measurement error (clipping.measurement_error
+    of up to 2^20 elements per layer, far more than that for any real layer)."""
+    return float(norms.max()) * (1 + 2.0**-20) if norms.numel() else 0.0
 
 
 # ----------------------------------------------------------------------------------------------
