@@ -88,12 +88,14 @@ def test_a_plugin_that_fails_to_import_is_named_in_the_error(tmp_path):
         plugins.load_plugin(str(tmp_path / "missing.py"))
 
 
-def _specs_with_yogi(tmp_path: Path, specs_dir: Path) -> Path:  # noqa: F811
-    """The tiny test task's specs folder plus the example's baseline."""
+def _specs_with(tmp_path: Path, specs_dir: Path, baseline: Path | None = None) -> Path:  # noqa: F811
+    """The tiny test task's specs folder plus a baseline file (default: the example's)."""
     root = tmp_path / "specs"
     shutil.copytree(specs_dir, root)
     (root / "baselines").mkdir(exist_ok=True)
-    shutil.copy(EXAMPLES / "specs" / "baselines" / "server-yogi.yaml", root / "baselines")
+    shutil.copy(
+        baseline or EXAMPLES / "specs" / "baselines" / "server-yogi.yaml", root / "baselines"
+    )
     return root
 
 
@@ -101,7 +103,7 @@ def test_specs_naming_an_unregistered_method_fail_at_load_listing_the_known_name
     tmp_path,
     specs_dir,  # noqa: F811
 ):
-    root = _specs_with_yogi(tmp_path, specs_dir)
+    root = _specs_with(tmp_path, specs_dir)
     with pytest.raises(UserError, match="server-yogi.yaml.*unknown server optimizer 'yogi'; "
                        "known: lamb, adam, lars, adagrad, sgd"):  # fmt: skip
         load_specs([root])
@@ -118,7 +120,7 @@ def test_a_run_with_a_plugin_records_it_and_the_check_refuses_a_missing_or_chang
 ):
     monkeypatch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
     plugin = plugins.load_plugin(str(YOGI))
-    root = _specs_with_yogi(tmp_path, specs_dir)
+    root = _specs_with(tmp_path, specs_dir)
     config = resolve(load_specs([root]), "synth-tiny-test", "server-yogi", "none", 0,
                      ["federated.central_steps=2"])  # fmt: skip
     run_dir = run(config, out_dir=tmp_path / "run", options=RunOptions(progress=False))
@@ -220,9 +222,6 @@ def test_a_plugin_client_algorithm_runs_with_its_options_and_refuses_bad_ones(
     monkeypatch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
     source = tmp_path / "scaled_sgd.py"
     source.write_text(CLIENT_PLUGIN)
-    root = tmp_path / "specs"
-    shutil.copytree(specs_dir, root)
-    (root / "baselines").mkdir(exist_ok=True)
     baseline = {
         "name": "frozen-clients",
         "description": "Local gradients scaled by 0: no client moves.",
@@ -232,7 +231,8 @@ def test_a_plugin_client_algorithm_runs_with_its_options_and_refuses_bad_ones(
             "federated": {"client": {"algorithm": "scaled-sgd", "algorithm_options": {"scale": 0}}},
         },
     }
-    (root / "baselines" / "frozen-clients.yaml").write_text(yaml.safe_dump(baseline))
+    (tmp_path / "frozen-clients.yaml").write_text(yaml.safe_dump(baseline))
+    root = _specs_with(tmp_path, specs_dir, tmp_path / "frozen-clients.yaml")
     with pytest.raises(UserError, match="unknown client algorithm 'scaled-sgd'; known: fedavg"):
         load_specs([root])
     plugin = plugins.load_plugin(str(source))

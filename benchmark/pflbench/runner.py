@@ -224,8 +224,8 @@ def train_federated(p: Prepared) -> Outcome | None:
             log.close()
 
     privacy = privacy_claim(config, state.sigma_dp, population)
-    if sim.algorithm.privacy_note() is not None:
-        privacy["payload"] = sim.algorithm.privacy_note()
+    if (note := sim.algorithm.privacy_note()) is not None:
+        privacy["payload"] = note
     if sim.audit is not None:
         params = dict(sim.model.named_parameters())
         privacy["audit"] = sim.audit.finish(params, sim.step, privacy["simulated"])

@@ -143,6 +143,7 @@ class Simulator:
         # What each client sends: Δ per trained tensor, then the algorithm's entries.
         self.payload_like = dict(zip(self.names, self.params, strict=True))
         self.payload_like |= self.algorithm.payload_like()
+        self.payload_names = list(self.payload_like)[len(self.names) :]  # beside Δ
         self.clip_bound = recipe.privacy.clip_bound  # C_t: moves under adaptive clipping
         self.step = 0
         self.aggregation_seconds = 0.0  # per-user privacy steps and exact sum (`bench fl`)
@@ -182,8 +183,8 @@ class Simulator:
         fed = self.recipe.federated
         lr = exponential_decay_lr(step, fed.server.lr, fed.server.decay)
         self.server.step(averaged[: len(self.names)], lr)
-        extra = list(self.payload_like)[len(self.names) :]
-        self.algorithm.server_step(dict(zip(extra, averaged[len(self.names) :], strict=True)))
+        beside = averaged[len(self.names) :]
+        self.algorithm.server_step(dict(zip(self.payload_names, beside, strict=True)))
         adaptive = self.recipe.privacy.adaptive_clip
         if adaptive is not None:
             self.clip_bound = next_clip_bound(

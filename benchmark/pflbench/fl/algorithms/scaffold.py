@@ -84,17 +84,16 @@ class Scaffold(ClientAlgorithm):
             if local_steps[g] == 0:  # no data this round: nothing learned, nothing changes
                 torch._foreach_zero_(sent)
             else:
-                # c_i⁺ = c_i − c + Δ/(K η_l), projected onto the local clip bound.
-                new = torch._foreach_sub(old, self.server_control)
-                torch._foreach_add_(
-                    new, local.delta_slots[g], alpha=1 / (local_steps[g] * self.recipe.lr)
-                )
-                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(new)))
-                torch._foreach_mul_(
-                    new, torch.clamp(self.recipe.grad_clip / (norm + 1e-12), max=1.0)
-                )
-                self.context.user_states.save(user, step, dict(zip(names, new, strict=True)))
-                torch._foreach_copy_(sent, new)
+                # c_i⁺ = c_i − c + Δ/(K η_l), projected onto the local clip bound, built in the
+                # slot's send buffer (no allocation per client), saved, then turned into s·Δc_i.
+                torch._foreach_copy_(sent, old)
+                torch._foreach_sub_(sent, self.server_control)
+                rate = 1 / (local_steps[g] * self.recipe.lr)
+                torch._foreach_add_(sent, local.delta_slots[g], alpha=rate)
+                norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(sent)))
+                shrink = torch.clamp(self.recipe.grad_clip / (norm + 1e-12), max=1.0)
+                torch._foreach_mul_(sent, shrink)
+                self.context.user_states.save(user, step, dict(zip(names, sent, strict=True)))
                 torch._foreach_sub_(sent, old)
                 torch._foreach_mul_(sent, self.scale)
             out.append({PREFIX + n: s for n, s in zip(names, sent, strict=True)})
