@@ -156,6 +156,8 @@ class ExampleDPSGD:
             losses.sum().backward()
         for param in self.trained:
             if param.grad_sample is not None:
+                # Under bf16 autocast (CUDA) opacus would measure the norms it clips by in bf16.
+                param.grad_sample = param.grad_sample.to(param.dtype)
                 continue
             if param.grad is not None:  # a gradient, but none per example: never left unclipped
                 raise RuntimeError(
