@@ -24,13 +24,14 @@ from pflbench.dpsgd import ExampleDPSGD
 from pflbench.errors import UserError
 from pflbench.model.transformer import CTCTransformer, ModelConfig, build_model, ctc_losses
 from pflbench.privacy.clipping import layer_bounds
+from pflbench.privacy.example import EPSILON_TOLERANCE, example_epsilon, example_noise_multiplier
 from pflbench.results.leaderboard import render_leaderboard
 from pflbench.results.rescore import DataOptions
 from pflbench.results.schema import compute_record_id, load_record
 from pflbench.results.submit import submit
 from pflbench.rundir import latest_checkpoint
 from pflbench.runner import RunOptions, run
-from pflbench.spec.models import Recipe
+from pflbench.spec.models import Budget, Recipe
 from pflbench.spec.registry import load_registry
 
 BUDGET = "eps8-example"
@@ -185,6 +186,46 @@ def test_the_noise_has_std_z_times_c_over_the_expected_batch(utterances, clippin
     noisy.noised_gradient([], step=3)
     empty = torch.cat([g.flatten() for g in grads(noisy).values()])
     torch.testing.assert_close(empty, noise, rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------
+# Budgets and accounting
+
+
+@pytest.mark.parametrize("accountant", ["opacus-rdp", "opacus-prv"])
+def test_calibration_meets_the_budget_by_opacus_own_accountant(accountant):
+    from opacus.accountants import create_accountant
+
+    budget = Budget(name="b", unit="example", epsilon=3.0, delta=1e-6, accountant=accountant)
+    q, steps = 32 / 5000, 200
+    z = example_noise_multiplier(budget, q, steps)
+    result = example_epsilon(z, q, steps, budget.delta, accountant)
+    theirs = create_accountant(accountant.removeprefix("opacus-"))
+    theirs.history = [(z, q, steps)]
+    assert result.epsilon == theirs.get_epsilon(delta=budget.delta)
+    assert budget.epsilon - EPSILON_TOLERANCE <= result.epsilon <= budget.epsilon
+    assert result.library_version == __import__("opacus").__version__
+
+
+def test_example_budgets_cannot_be_mistaken_for_user_level_ones():
+    from pflbench.methods import check_budget
+    from pflbench.privacy.example import check_delta, check_example_recipe
+
+    with pytest.raises(ValueError, match="takes no population, cohort, steps"):
+        Budget(name="b", unit="example", epsilon=1, delta=1e-6, population=10, cohort=1, steps=5)
+    with pytest.raises(ValueError, match="needs a DP budget"):
+        Budget(name="b", unit="example", dp=False)
+    with pytest.raises(UserError, match="opacus-rdp, opacus-prv"):
+        check_budget(Budget(name="b", unit="example", epsilon=1, delta=1e-6), "budgets.yaml")
+    with pytest.raises(UserError, match="not below 1/N"):
+        check_delta(1e-3, 1000, "b")
+    # a federated recipe carrying example_dp settings would ignore them: refused
+    recipe = Recipe.model_validate({"example_dp": {"physical_batch": 8}})
+    with pytest.raises(UserError, match="applies to training: dpsgd-example only"):
+        check_example_recipe(recipe)
+    normalize = {"training": "dpsgd-example", "privacy": {"perlayer_rule": "normalize"}}
+    with pytest.raises(UserError, match="perlayer_rule: normalize"):
+        check_example_recipe(Recipe.model_validate(normalize))
 
 
 # ----------------------------------------------------------------------------------------------
