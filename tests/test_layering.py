@@ -20,7 +20,7 @@ LAYERS = {
     "__init__": 0, "errors": 0, "seeds": 0, "files": 0, "digests": 0, "extension": 0,
     "progress": 0, "spec": 0,
     "data": 1, "model": 1, "checkpoint": 1, "numerics": 1, "privacy": 1, "evaluate": 1,
-    "fl": 2, "central": 2,
+    "fl": 2, "central": 2, "dpsgd": 2,
     "runner": 3, "rundir": 3, "metrics_log": 3, "results": 3, "methods": 3, "plugins": 3,
     "cli": 4, "__main__": 4,
 }  # fmt: skip

@@ -34,11 +34,14 @@ from pflbench.spec.resolve import resolve
 
 TASK = "synth-tiny-test"
 REFERENCE_ROWS = ("seed-only", "central")  # no federated training
-BASELINES = sorted(
+BASELINE_FILES = sorted((Path(__file__).parents[1] / "baselines").glob("*.yaml"))
+# Example-level DP-SGD (no federated training; example-level budgets): tests/test_dpsgd.py.
+EXAMPLE_LEVEL = tuple(
     p.stem
-    for p in (Path(__file__).parents[1] / "baselines").glob("*.yaml")
-    if p.stem not in REFERENCE_ROWS
+    for p in BASELINE_FILES
+    if yaml.safe_load(p.read_text())["overrides"].get("training") == "dpsgd-example"
 )
+BASELINES = [p.stem for p in BASELINE_FILES if p.stem not in REFERENCE_ROWS + EXAMPLE_LEVEL]
 RECIPE = {
     "model": {"preset": "tiny"},
     "central": {"optimizer": "adam", "lr": 0.002, "steps": 5, "batch_seconds": 20.0},

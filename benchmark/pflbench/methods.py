@@ -17,6 +17,7 @@ from pflbench.errors import UserError
 from pflbench.fl.algorithms import CLIENT_ALGORITHMS, check_client_recipe
 from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS
 from pflbench.privacy.accountants import calibrating
+from pflbench.privacy.example import EXAMPLE_ACCOUNTANTS
 from pflbench.spec.models import Budget, Recipe, Task
 from pflbench.spec.registry import Registry, load_registry
 
@@ -52,6 +53,15 @@ def check_recipe(recipe: Recipe | dict[str, Any], where: str) -> None:
 
 
 def check_budget(budget: Budget, where: str) -> None:
+    """A user-level budget names a registered accountant that calibrates, an example-level one
+    one of opacus' own (pflbench.privacy.example)."""
+    if budget.unit == "example":
+        if budget.accountant not in EXAMPLE_ACCOUNTANTS:
+            raise UserError(
+                f"{where}: an example-level budget (unit: example) names one of opacus'"
+                f" accountants ({', '.join(EXAMPLE_ACCOUNTANTS)}), not {budget.accountant!r}"
+            )
+        return
     if budget.accountant not in calibrating():
         _unknown(where, "accountant that calibrates noise", budget.accountant, calibrating())
 

@@ -1,7 +1,8 @@
 """A run's metrics log: `metrics.jsonl` always, TensorBoard event files too when installed.
 
 Lines are the runner's dicts: a training line per central step ({"step", "loss", "epsilon_rdp",
-"lr", "step_seconds", "clients", "nonfinite_updates", "diagnostics", ...}) and an eval line
+"lr", "step_seconds", "clients", "nonfinite_updates", "diagnostics", ...}; a DP-SGD step has
+"examples" instead of "clients" and no "nonfinite_updates") and an eval line
 ({"step", "eval": {set: {"wer", "cer"}}}). A training line's "step" is the step's index, an eval
 line's the number of steps done; TensorBoard's x axis is steps done for both. On resume the log
 restarts from the checkpoint's lines: the JSONL file is rewritten from them and TensorBoard purges
@@ -22,6 +23,7 @@ TRAINING_SCALARS = {
     "train/loss": ("loss",),
     "train/lr": ("lr",),
     "train/clients": ("clients",),
+    "train/examples": ("examples",),
     "train/nonfinite_updates": ("nonfinite_updates",),
     "privacy/epsilon_rdp": ("epsilon_rdp",),
     "time/step_seconds": ("step_seconds",),

@@ -2,12 +2,14 @@
 
     data, seed model  = prepared once per cache (rank 0 first)
     outcome           = TRAININGS[recipe.training](...)   # federated | central | seed-only
+                                                          # | dpsgd-example
     final evaluation  → checkpoints/final, errors/, hypotheses/, record.json, DONE
 
 The federated training is Algorithm 1 (fl.simulator) one central step at a time, with a
 checkpoint every few steps. Because every random choice is keyed by (seed, step, user), resuming
 from the latest checkpoint after a kill at any moment ends in exactly the same model. Only rank 0
-writes; every rank runs the same server step.
+writes; every rank runs the same server step. Example-level DP-SGD (dpsgd.py) runs the same way,
+one DP-SGD step at a time, in one process.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from pflbench.fl.freeze import trained_tensors
 from pflbench.fl.simulator import Simulator
 from pflbench.metrics_log import MetricsLog
 from pflbench.privacy.run import check_run_privacy, epsilon_so_far, privacy_claim, run_sigma_dp
+from pflbench.privacy.sampling import sampling_rate
 from pflbench.progress import make_progress
 from pflbench.results.record import build_record, compute_info, data_info, write_record
 from pflbench.results.schema import Outputs
@@ -196,7 +199,7 @@ def train_federated(p: Prepared) -> Outcome | None:
     log = MetricsLog(p.run_dir, state.history, sim.step) if ctx.is_main else None
     show_progress = options.progress and ctx.is_main
     try:
-        with federated_progress(show_progress, fed.central_steps, sim.step) as advance:
+        with steps_progress("federated", show_progress, fed.central_steps, sim.step) as advance:
             while sim.step < fed.central_steps:
                 if options.stop_after is not None and sim.step >= options.stop_after:
                     return None
@@ -328,6 +331,105 @@ def fine_tune_central(p: Prepared) -> Outcome | None:
     return _evaluated_as_is(p, seed_summary)
 
 
+def train_example_dpsgd(p: Prepared) -> Outcome | None:
+    """Paper 003's example-level DP-SGD through opacus (pflbench.dpsgd): the seed model
+    fine-tuned on the pooled federated training data at recipe.fine_tune's schedule, one
+    Poisson batch per step (expected fine_tune.batch_seconds of audio), each example's gradient
+    clipped, noise calibrated to the budget's example-level (ε, δ) at the run's own N, q and T
+    by opacus' accountant. Resumes from the latest step checkpoint, ending in the same model."""
+    from pflbench.dpsgd import ExampleDPSGD
+    from pflbench.privacy.example import (
+        NO_BUDGET_ACCOUNTANT,
+        check_delta,
+        example_epsilon,
+        example_noise_multiplier,
+        example_statement,
+        expected_batch,
+    )
+
+    config, options = p.config, p.options
+    recipe, budget = config.recipe, config.budget
+    schedule = recipe.fine_tune or recipe.central
+    steps = schedule.steps
+    seed_summary = _check_one_process(p)  # before training (cached beside the seed model)
+    utterances = list(p.data.federated_train)  # held in memory, as central fine-tuning does
+    examples = len(utterances)
+    if budget.dp:
+        check_delta(budget.delta, examples, budget.name)
+    batch = expected_batch([u.seconds for u in utterances], schedule.batch_seconds)
+    q = sampling_rate(examples, batch)
+    noise_multiplier = example_noise_multiplier(budget, q, steps)
+    tensors, meta = _latest_state(p.run_dir, options)
+    if "trained" in meta:
+        trained = meta["trained"]
+    else:
+        sizes = {name: t.numel() for name, t in p.model.named_parameters()}
+        freeze = recipe.example_dp.layer_freeze
+        trained = trained_tensors(freeze, sizes, p.seed_path, config.task.name)
+    trainer = ExampleDPSGD(
+        p.model, utterances, recipe, noise_multiplier, batch, config.seed, p.device, trained
+    )
+    if tensors is not None:
+        trainer.load_state_dict(tensors, meta["step"])
+    history = meta.get("metrics", [])
+
+    def save() -> None:
+        path = p.run_dir / "checkpoints" / f"step-{trainer.step:07d}.safetensors"
+        save_checkpoint(path, trainer.state_dict(), {
+            "step": trainer.step, "trained": trained, "metrics": history,
+            "config_hash": p.config_hash,
+        })  # fmt: skip
+        prune_checkpoints(p.run_dir, path)
+
+    log = MetricsLog(p.run_dir, history, trainer.step)
+    try:
+        with steps_progress("dp-sgd", options.progress, steps, trainer.step) as advance:
+            while trainer.step < steps:
+                if options.stop_after is not None and trainer.step >= options.stop_after:
+                    return None
+                started = time.perf_counter()
+                stats = trainer.run_step()
+                epsilon = None  # opacus' RDP ε so far
+                if noise_multiplier > 0:
+                    epsilon = example_epsilon(
+                        noise_multiplier, q, trainer.step, budget.delta, NO_BUDGET_ACCOUNTANT
+                    ).epsilon
+                line = {
+                    "step": stats["step"],
+                    "loss": stats["loss"],
+                    "epsilon_rdp": epsilon,
+                    "lr": stats["lr"],
+                    "step_seconds": time.perf_counter() - started,
+                    "examples": stats["examples"],
+                    # from the raw per-example gradients: not private
+                    "diagnostics": {"private": False, "clipped_fraction": stats["clipped"]},
+                }
+                log.append([line])
+                advance(line)
+                if trainer.step % options.checkpoint_every == 0:
+                    save()
+        save()
+        model = trainer.finish()
+        final = evaluate_task(model, p.data, config.task.eval_sets, {"dev", "test"}, p.device)
+        log.append([{"step": trainer.step, "eval": wer_cer(final)}])
+    finally:
+        log.close()
+    clipping = recipe.privacy.clipping
+    if clipping == "perlayer":
+        clipping = f"per layer, C_h by {recipe.privacy.perlayer_mode}"
+    privacy = example_statement(
+        noise_multiplier, recipe.privacy.clip_bound, clipping, examples, batch, steps, budget
+    )
+    return Outcome(
+        model=model,
+        final=final,
+        lines=[{"step": trainer.step, "eval": wer_cer(final)}],
+        seed_summary=seed_summary,
+        meta={"kind": "dpsgd-example", "step": trainer.step},
+        privacy=privacy,
+    )
+
+
 def keep_seed_model(p: Prepared) -> Outcome | None:
     """The paper's seed-only row: the seed model evaluated as it is."""
     return _evaluated_as_is(p, _check_one_process(p))
@@ -359,6 +461,7 @@ TRAININGS: dict[str, Callable[[Prepared], Outcome | None]] = {
     "federated": train_federated,
     "central": fine_tune_central,
     "seed-only": keep_seed_model,
+    "dpsgd-example": train_example_dpsgd,
 }
 
 
@@ -420,8 +523,8 @@ def wer_cer(results: dict) -> dict:
 
 
 @contextmanager
-def federated_progress(enabled: bool, total: int, completed: int) -> Iterator:
-    """A bar over the central steps; `advance(line)` shows the step's loss, ε so far and speed."""
+def steps_progress(label: str, enabled: bool, total: int, completed: int) -> Iterator:
+    """A bar over the steps; `advance(line)` shows the step's loss, ε so far and speed."""
     from rich.progress import (
         BarColumn,
         MofNCompleteColumn,
@@ -431,7 +534,7 @@ def federated_progress(enabled: bool, total: int, completed: int) -> Iterator:
     )
 
     columns = [
-        TextColumn("[bold]federated"),
+        TextColumn(f"[bold]{label}"),
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
@@ -439,13 +542,14 @@ def federated_progress(enabled: bool, total: int, completed: int) -> Iterator:
         TimeRemainingColumn(),
         TextColumn("{task.description}"),
     ]
-    with make_progress("federated", *columns, enabled=enabled) as progress:
+    with make_progress(label, *columns, enabled=enabled) as progress:
         task = progress.add_task("", total=total, completed=completed)
 
         def advance(line: dict) -> None:
             eps = line.get("epsilon_rdp")
             eps_text = f"ε {eps:.3g}" if eps is not None else "ε ∞"
-            text = f"loss {line['loss']:.3f}  {eps_text}  {line['step_seconds']:.2f} s/step"
+            loss = f"{line['loss']:.3f}" if line["loss"] is not None else "–"
+            text = f"loss {loss}  {eps_text}  {line['step_seconds']:.2f} s/step"
             progress.update(task, advance=1, description=text)
 
         yield advance

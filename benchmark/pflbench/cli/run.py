@@ -1,4 +1,5 @@
-"""CLI: `run` — one federated run (Algorithm 1 with user-level DP) into a run directory."""
+"""CLI: `run` — one run (federated with user-level DP, Algorithm 1; or a reference or example-level
+DP-SGD row) into a run directory."""
 
 from __future__ import annotations
 
@@ -29,14 +30,15 @@ def _percent(result) -> str:
     )
 
 
-def _epsilons(scale) -> str:
+def _epsilons(scale, per_example: bool = False) -> str:
     def one(name: str, claim) -> str:
         if claim is None:
             return f"{name} ∞"
         return f"{name} {claim.epsilon:.3g}" if claim.epsilon is not None else f"{name} n/a"
 
     text = ", ".join(one(name, claim) for name, claim in sorted(scale.epsilon.items()))
-    return f"(K={scale.population:,}, S={scale.cohort:,}, T={scale.steps:,}): {text}"
+    k, s = ("N", "B") if per_example else ("K", "S")  # examples and batch, or users and cohort
+    return f"({k}={scale.population:,}, {s}={scale.cohort:,}, T={scale.steps:,}): {text}"
 
 
 def run_summary(run_dir: Path) -> list[str]:
@@ -60,8 +62,14 @@ def run_summary(run_dir: Path) -> list[str]:
     delta = f" (δ = {', '.join(f'{d:g}' for d in sorted(deltas))})" if deltas else ""
     if not privacy.dp:
         lines.append("ε: ∞ (no DP budget: no noise is added)")
+    per_example = privacy.unit == "example"
     for label, scale in (("simulated", privacy.simulated), ("extrapolated", privacy.extrapolated)):
-        if privacy.dp and scale is not None:
+        if privacy.dp and scale is not None and per_example:
+            lines.append(
+                f"ε per example{delta}, not per user, at the run's scale"
+                f" {_epsilons(scale, per_example)}"
+            )
+        elif privacy.dp and scale is not None:
             lines.append(f"ε{delta} at the {label} scale {_epsilons(scale)}")
     audit = privacy.audit
     if audit is not None:  # compare with the simulated scale's ε (docs/PRIVACY.md)

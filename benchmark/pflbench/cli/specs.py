@@ -15,6 +15,7 @@ from pflbench.cli.common import (
     load_specs,
     print_json,
 )
+from pflbench.errors import UserError
 from pflbench.spec.registry import Loaded, Registry
 
 
@@ -73,6 +74,14 @@ def budget_privacy(budget) -> dict:
 
     if not budget.dp:
         return {"dp": False}
+    if budget.unit == "example":
+        return {
+            "dp": True,
+            "unit": "example",
+            "calibrated_with": budget.accountant,
+            "noise_multiplier": "calibrated by each run at its own number of examples N,"
+            " sampling rate q = B/N and steps T (opacus' get_noise_multiplier); see its record",
+        }
     noise = budget_noise(budget)
     q = budget.cohort / budget.population
     z, steps, delta = noise["noise_multiplier"], budget.steps, budget.delta
@@ -154,12 +163,9 @@ def register(app: typer.Typer) -> None:
     @budgets.command("list")
     def budgets_list(specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption) -> None:
         """All privacy budgets."""
+        keys = ("name", "dp", "unit", "epsilon", "delta", "population", "cohort", "steps")
         rows = [
-            {
-                k: v
-                for k, v in b.spec.model_dump().items()
-                if k in ("name", "dp", "epsilon", "delta", "population", "cohort", "steps")
-            }
+            {k: getattr(b.spec, k) for k in keys}
             for _, b in sorted(_registry(specs).budgets.items())
         ]
         print_json(rows) if as_json else _table("budgets", rows)
@@ -197,6 +203,8 @@ def register(app: typer.Typer) -> None:
         from pflbench.privacy.matching import PAPER_PRESET, matched_scale, model_parameters
 
         paper = _registry(specs).budget(name).spec
+        if paper.unit == "example":
+            raise UserError(f"budget {name!r} is example-level: only user-level budgets match")
         parameters = model_parameters(preset, vocab_size)
         entry = matched_scale(paper, parameters, model_parameters(PAPER_PRESET), cohort)
         suffix = f"-cohort{cohort}" if cohort else ""

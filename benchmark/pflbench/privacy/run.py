@@ -10,6 +10,7 @@ from __future__ import annotations
 from pflbench.errors import UserError
 from pflbench.privacy.accountants import compute_epsilon
 from pflbench.privacy.audit import check_audit
+from pflbench.privacy.example import check_budget_unit, check_example_recipe
 from pflbench.privacy.sampling import sampling_rate
 from pflbench.privacy.statement import budget_noise, check_steps_within_budget, privacy_statement
 from pflbench.spec.models import RunConfig
@@ -27,8 +28,13 @@ NO_FL_PRIVACY = {
 def check_run_privacy(config: RunConfig) -> None:
     """Refuse runs a DP budget cannot cover: DP noise is calibrated to a clipping bound (so the
     baseline must clip), and to the budget's T (so the run may not take more central steps);
-    training that is not federated has no DP mechanism at all."""
+    the central and seed-only rows have no DP mechanism at all; a budget's unit (user or
+    example) must be its training's."""
     training = config.recipe.training
+    check_example_recipe(config.recipe)
+    check_budget_unit(config.budget, training, config.baseline.name)
+    if training == "dpsgd-example":
+        return
     if config.budget.dp and training != "federated":
         raise UserError(
             f"baseline {config.baseline.name!r} (training: {training}) is a non-private reference"

@@ -161,9 +161,11 @@ def styles(labels) -> dict[str, list]:
 
 def task_budget_names(task: str, budgets: dict[str, Budget], declared: dict) -> list[str]:
     """The DP budgets a task's runs are compared under: the ones it declares, else the paper's
-    (registry DP budgets not matched to another)."""
+    (registry user-level DP budgets not matched to another)."""
     names = declared.get(task) or [
-        n for n, b in budgets.items() if b.dp and b.matches is None and n != "none"
+        n
+        for n, b in budgets.items()
+        if b.dp and b.unit == "user" and b.matches is None and n != "none"
     ]
     return sorted((n for n in names if n in budgets), key=lambda n: (budgets[n].epsilon, n))
 

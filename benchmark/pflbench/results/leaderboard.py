@@ -176,6 +176,12 @@ def claimed_accountant(record: ResultRecord) -> str:
     return ((record.config or {}).get("budget") or {}).get("accountant", "rdp")
 
 
+def per_example(record: ResultRecord) -> bool:
+    """Whether the record's ε is example-level (DP-SGD, training: dpsgd-example): per example,
+    not comparable with user-level ε."""
+    return record.privacy is not None and record.privacy.unit == "example"
+
+
 def pseudo_users(record: ResultRecord) -> bool:
     """Whether the record's users are pseudo-users (an -iid task): its ε is per pseudo-user."""
     if record.privacy is not None and record.privacy.unit:
@@ -250,7 +256,11 @@ def fmt_epsilon(row: Row, scale: str) -> str:
     if found is None:
         return "–"
     value, accountant = found
-    unit = ", per pseudo-user" if accountant and pseudo_users(row.first) else ""
+    unit = ""
+    if accountant and pseudo_users(row.first):
+        unit = ", per pseudo-user"
+    elif accountant and per_example(row.first):
+        unit = ", per example"
     return fmt_number(value) + (f" {accountant}" if accountant else "") + unit
 
 
@@ -400,6 +410,14 @@ def budget_title(name: str, budget: Budget | None) -> str:
         return f"### budget `{name}` (not in the registry)"
     if not budget.dp:
         return f"### budget `{name}`: no DP"
+    if budget.unit == "example":
+        return (
+            f"### budget `{name}`: ({budget.epsilon:g}, {budget.delta:g})-DP per example"
+            " (example-level DP-SGD)\n\n"
+            "Example-level ε: one DP neighbour differs in one example (an utterance), not in"
+            " all of a user's data, at each run's own number of examples, batch and steps (no"
+            " extrapolation). It is not comparable with the user-level ε of the other tables."
+        )
     return (
         f"### budget `{name}`: ({budget.epsilon:g}, {budget.delta:g})-DP at K = "
         f"{budget.population:,}, S = {budget.cohort:,}, T = {budget.steps:,}"
@@ -411,12 +429,12 @@ def is_dp(name: str, budgets: dict[str, Budget]) -> bool:
 
 
 def budget_order(name: str, budget: Budget | None) -> tuple:
-    """No DP, then DP budgets by ε (largest first), then the papers' other noise levels by σ_DP
-    (smallest first), then unknown names."""
+    """No DP, then user-level DP budgets by ε (largest first), then example-level ones, then
+    the papers' other noise levels by σ_DP (smallest first), then unknown names."""
     if budget is None:
         sigma = paper_noise(name)
-        return (2, sigma, name) if sigma is not None else (3, 0.0, name)
-    return (int(budget.dp), -(budget.epsilon or 0.0), name)
+        return (3, sigma, name) if sigma is not None else (4, 0.0, name)
+    return (int(budget.dp) + (budget.unit == "example"), -(budget.epsilon or 0.0), name)
 
 
 def paper_noise(name: str) -> float | None:

@@ -193,10 +193,12 @@ class PrivacyClaim(Open):
 
     dp: bool
     mechanism: str | None = None
-    unit: Literal["user", "pseudo-user"] | None = Field(
+    unit: Literal["user", "pseudo-user", "example"] | None = Field(
         None,
-        description="What one DP neighbour adds or removes: a user (speaker) or, on -iid tasks, a"
-        " pseudo-user (a random group of utterances). Absent in older records: user.",
+        description="What one DP neighbour adds or removes: a user (speaker), on -iid tasks a"
+        " pseudo-user (a random group of utterances), or for example-level DP-SGD (training:"
+        " dpsgd-example) one example (an utterance): an example-level ε is not comparable with a"
+        " user-level one. Absent in older records: user.",
     )
     sigma_dp: float | None = Field(None, ge=0)
     clip_bound: float | None = Field(None, gt=0)

@@ -13,6 +13,7 @@ import copy
 import json
 import math
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -33,6 +34,7 @@ from pflbench.spec.registry import Registry, format_validation_error
 from pflbench.spec.resolve import config_json_hash
 
 if TYPE_CHECKING:
+    from pflbench.privacy.accounting import EpsilonResult
     from pflbench.results.rescore import DataOptions
 
 EPSILON_RTOL = 1e-3  # recomputed ε vs claimed ε; accountants are deterministic, this is float slack
@@ -176,6 +178,9 @@ def check_record_privacy(
         return
     if privacy is None or not privacy.get("dp"):
         raise UserError(f"{where}: budget {budget.name!r} needs a DP privacy claim; none found")
+    if budget.unit == "example":
+        check_example_privacy(privacy, config, budget, where)
+        return
     check_steps_within_budget(config.recipe.federated.central_steps, budget, where)
     sigma_dp = privacy.get("sigma_dp")
     if not isinstance(sigma_dp, int | float) or not sigma_dp > 0:
@@ -225,11 +230,62 @@ def check_record_privacy(
         )
 
 
+def check_example_privacy(privacy: dict, config: RunConfig, budget: Budget, where: str) -> None:
+    """An example-level DP-SGD claim (privacy/example.py): unit example, the config's clip bound
+    and steps, opacus' accountant of the budget recomputing the claimed ε for the claim's own
+    (z, q = B/N, T, δ), and that ε within the budget."""
+    from pflbench.privacy.example import example_epsilon
+
+    expected = {
+        "unit": "example",
+        "sampling": "poisson",
+        "claimed_by": budget.accountant,
+        "clip_bound": config.recipe.privacy.clip_bound,
+    }
+    for key, value in expected.items():
+        if privacy.get(key) != value:
+            raise UserError(
+                f"{where}: privacy.{key} is {privacy.get(key)!r} but the config says {value!r}"
+            )
+    if privacy.get("extrapolated") is not None:
+        raise UserError(f"{where}: an example-level claim has no extrapolated scale")
+    sigma_dp = privacy.get("sigma_dp")
+    if not isinstance(sigma_dp, int | float) or not sigma_dp > 0:
+        raise UserError(f"{where}: privacy.sigma_dp must be a number > 0, got {sigma_dp!r}")
+    claim = privacy.get("simulated")
+    if not isinstance(claim, dict):
+        raise UserError(f"{where}: privacy.simulated is missing")
+    steps = (config.recipe.fine_tune or config.recipe.central).steps
+    if claim.get("steps") != steps:
+        raise UserError(
+            f"{where}: privacy.simulated.steps is {claim.get('steps')!r}, expected {steps}"
+        )
+    fresh = check_scale(
+        claim, sigma_dp, budget.delta, f"{where}: privacy.simulated", budget.accountant,
+        epsilon_of=example_epsilon,
+    )  # fmt: skip
+    epsilon = fresh[budget.accountant]
+    if epsilon is None:
+        raise UserError(f"{where}: privacy.simulated.epsilon.{budget.accountant}: no ε claimed")
+    if epsilon > budget.epsilon * (1 + EXACT_RTOL):
+        raise UserError(
+            f"{where}: ε = {epsilon:.4g} ({budget.accountant}, per example) is above the budget"
+            f" {budget.name!r} (ε = {budget.epsilon})"
+        )
+
+
 def check_scale(
-    claim: dict, sigma_dp: float, delta: float, where: str, claimed: str
+    claim: dict,
+    sigma_dp: float,
+    delta: float,
+    where: str,
+    claimed: str,
+    epsilon_of: Callable[..., EpsilonResult] | None = None,
 ) -> dict[str, float | None]:
     """Check one scale's claims (every accountant's, the `claimed` one required) against a fresh
-    computation; returns the fresh ε by accountant (None where it cannot be computed)."""
+    computation; returns the fresh ε by accountant (None where it cannot be computed).
+    `epsilon_of(z, q, steps, delta, accountant)`: where the fresh ε comes from (default: the
+    registered accountants; example-level claims: opacus', privacy.example.example_epsilon)."""
     cohort, population, steps = claim["cohort"], claim["population"], claim["steps"]
     z, q = sigma_dp * cohort, cohort / population
     for key, value in (("noise_multiplier", z), ("sampling_rate", q)):
@@ -239,23 +295,33 @@ def check_scale(
     if not isinstance(epsilons.get(claimed), dict):
         raise UserError(f"{where}.epsilon has no {claimed!r} claim (the budget's accountant)")
     return {
-        name: check_epsilon_claim(name, item, z, q, steps, delta, f"{where}.epsilon.{name}")
+        name: check_epsilon_claim(
+            name, item, z, q, steps, delta, f"{where}.epsilon.{name}", epsilon_of
+        )
         for name, item in sorted(epsilons.items())
     }
 
 
 def check_epsilon_claim(
-    name: str, item: dict | None, z: float, q: float, steps: int, delta: float, where: str
+    name: str,
+    item: dict | None,
+    z: float,
+    q: float,
+    steps: int,
+    delta: float,
+    where: str,
+    epsilon_of: Callable[..., EpsilonResult] | None = None,
 ) -> float | None:
     """A fresh ε from the pinned accountant must match the claim; returns it (None when the
     accountant cannot compute it and the claim says so)."""
     from pflbench.privacy.accountants import compute_epsilon
 
+    epsilon_of = epsilon_of or compute_epsilon
     if not isinstance(item, dict) or item.get("accountant") != name:
         raise UserError(f"{where}: expected a {name} ε claim, got {item!r}")
     if item.get("epsilon") is None:
         try:
-            value = compute_epsilon(z, q, steps, delta, accountant=name).epsilon
+            value = epsilon_of(z, q, steps, delta, name).epsilon
         except UserError:
             return None  # the claim says this accountant cannot compute it, and indeed it cannot
         raise UserError(f"{where}: no ε claimed, but the {name} accountant gives {value!r}")
@@ -263,7 +329,7 @@ def check_epsilon_claim(
     for key, value in expected.items():
         if item.get(key) is None or not _close(float(item[key]), value, EXACT_RTOL):
             raise UserError(f"{where}.{key} is {item.get(key)!r}, expected {value!r}")
-    fresh = compute_epsilon(z, q, steps, delta, accountant=name).epsilon
+    fresh = epsilon_of(z, q, steps, delta, name).epsilon
     if not _close(float(item["epsilon"]), fresh, EPSILON_RTOL):
         raise UserError(
             f"{where}: claimed ε = {item['epsilon']!r} but the {name} accountant gives "

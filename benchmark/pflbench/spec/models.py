@@ -133,6 +133,24 @@ class LayerFreeze(Strict):
     train: Literal["top", "bottom"] = "top"
 
 
+class ExampleDPRecipe(Strict):
+    """Example-level DP-SGD of `training: dpsgd-example` (paper 003): the schedule is
+    recipe.fine_tune's (each step a Poisson batch of expected fine_tune.batch_seconds of audio),
+    the clipping recipe.privacy's (clip_bound C, global or per layer), the noise the budget's."""
+
+    layer_freeze: LayerFreeze | None = Field(
+        None,
+        description="Paper 003's gradient-based layer freezing: frozen tensors get no gradient,"
+        " no clipping budget and no noise.",
+    )
+    physical_batch: int = Field(
+        32,
+        ge=1,
+        description="Examples per forward/backward pass: a Poisson batch is processed in chunks"
+        " of at most this many (memory; the step is the same up to float rounding).",
+    )
+
+
 class ClientRecipe(Strict):
     algorithm: str = Field(
         "fedavg",
@@ -253,17 +271,20 @@ class Recipe(Strict):
     model: ModelRecipe = ModelRecipe()
     spec_augment: SpecAugmentRecipe = SpecAugmentRecipe()
     central: CentralRecipe = CentralRecipe()
-    training: Literal["federated", "central", "seed-only"] = Field(
+    training: Literal["federated", "central", "seed-only", "dpsgd-example"] = Field(
         "federated",
         description="What follows the seed model: federated (+DP) fine-tuning; `central`"
         " fine-tuning on the pooled federated data (no FL, no DP; the paper's central row);"
-        " or `seed-only` (nothing: the seed model is evaluated as it is).",
+        " `seed-only` (nothing: the seed model is evaluated as it is); or `dpsgd-example`,"
+        " central fine-tuning with example-level DP-SGD (paper 003; opacus), whose ε is per"
+        " example (utterance), not per user.",
     )
     fine_tune: CentralRecipe | None = Field(
         None,
-        description="The schedule of `training: central` on the federated data (None: the"
-        " seed model's, `central`).",
+        description="The schedule of `training: central` and `dpsgd-example` on the federated"
+        " data (None: the seed model's, `central`).",
     )
+    example_dp: ExampleDPRecipe = Field(ExampleDPRecipe(), json_schema_extra=ADDED_LATER)
     federated: FederatedRecipe = FederatedRecipe()
     privacy: PrivacyRecipe = PrivacyRecipe()
 
@@ -323,18 +344,31 @@ class Baseline(Strict):
 
 
 class Budget(Strict):
-    """A target (ε, δ) at an extrapolated population; `none` (dp: false) means no noise."""
+    """A target (ε, δ) at an extrapolated population; `none` (dp: false) means no noise.
+
+    `unit: user` (user-level DP, federated training) or `unit: example` (example-level DP-SGD,
+    `training: dpsgd-example`): one DP neighbour differs in a user's data or in one example. An
+    example-level budget is (ε, δ) alone, met at the run's own number of examples, batch and
+    steps; its accountant is one of opacus' (opacus-rdp, opacus-prv)."""
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9.\-]*$")
     description: str = ""
     dp: bool = True
+    unit: Literal["user", "example"] = Field(
+        "user",
+        description="What one DP neighbour adds or removes: a user's data (federated runs) or one"
+        " example (DP-SGD runs). The two ε are not comparable.",
+        json_schema_extra=ADDED_LATER,
+    )
     epsilon: float | None = Field(None, gt=0)
     delta: float | None = Field(None, gt=0, lt=1)
     population: int | None = Field(None, ge=1, description="Extrapolated number of users K_ext.")
     cohort: int | None = Field(None, ge=1, description="Extrapolated cohort size S_ext.")
     steps: int | None = Field(None, ge=1, description="Extrapolated central steps T_ext.")
     accountant: str = Field(
-        "rdp", description="A registered accountant that calibrates noise (built in: rdp, pld)."
+        "rdp",
+        description="A registered accountant that calibrates noise (built in: rdp, pld); for"
+        " unit: example, one of opacus' (opacus-rdp, opacus-prv).",
     )
     matches: str | None = Field(
         None,
@@ -355,11 +389,22 @@ class Budget(Strict):
     @model_validator(mode="after")
     def _complete(self) -> Budget:
         fields = ("epsilon", "delta", "population", "cohort", "steps")
+        if self.unit == "example":
+            if not self.dp:
+                raise ValueError("unit: example needs a DP budget (dp: true)")
+            scale = ("population", "cohort", "steps", "matches")
+            given = [f for f in scale if getattr(self, f) is not None]
+            if given:
+                raise ValueError(
+                    f"an example-level budget takes no {', '.join(given)}: it is met at the run's"
+                    " own number of examples, batch and steps"
+                )
+            fields = ("epsilon", "delta")
         if self.dp:
             missing = [f for f in fields if getattr(self, f) is None]
             if missing:
                 raise ValueError(f"a DP budget needs {', '.join(missing)}")
-            if self.cohort > self.population:
+            if self.unit == "user" and self.cohort > self.population:
                 raise ValueError("cohort must not exceed population")
         elif any(getattr(self, f) is not None for f in fields):
             raise ValueError("a budget with dp: false takes no epsilon/delta/population/...")

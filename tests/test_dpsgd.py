@@ -1,0 +1,355 @@
+"""Example-level DP-SGD through opacus (training: dpsgd-example, paper 003): per-example gradients
+cover every trained tensor, clipping bounds each example (globally and per layer), the noise has
+std z·C, the record's ε is opacus' accountant's, budgets of the other unit are refused, `submit`
+refuses a tampered ε and the leaderboard labels the ε per example."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+from opacus.accountants import RDPAccountant
+from safetensors.torch import load_file
+from test_run import EXAMPLE_LEVEL, TASK, _config, env, specs_dir  # noqa: F401  (fixtures)
+
+from pflbench.checkpoint import load_checkpoint
+from pflbench.dpsgd import ExampleDPSGD
+from pflbench.errors import UserError
+from pflbench.model.transformer import CTCTransformer, ModelConfig, build_model, ctc_losses
+from pflbench.privacy.clipping import layer_bounds
+from pflbench.privacy.example import EPSILON_TOLERANCE, example_epsilon, example_noise_multiplier
+from pflbench.results.leaderboard import render_leaderboard
+from pflbench.results.rescore import DataOptions
+from pflbench.results.schema import compute_record_id, load_record
+from pflbench.results.submit import submit
+from pflbench.rundir import latest_checkpoint
+from pflbench.runner import RunOptions, run
+from pflbench.spec.models import Budget, Recipe
+from pflbench.spec.registry import load_registry
+
+BUDGET = "eps8-example"
+# Positions without CAPE's random shifts and scaling: an utterance's forward is then the same
+# alone or in a batch, so per-example gradients can be checked against one-example backwards.
+PLAIN = ModelConfig(dim=64, layers=2, heads=2, mlp=128, dropout=0.0, layer_drop=0.0,
+                    cape_global_shift=0.0, cape_local_shift=0.0,
+                    cape_global_scaling=1.0)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def utterances(tiny_task_data):
+    return list(tiny_task_data.federated_train)[:12]
+
+
+def trainer_for(utterances, clipping="global", clip=1.0, z=0.0, batch=4, trained=None,
+                model=None, seed=0) -> ExampleDPSGD:  # fmt: skip
+    recipe = Recipe.model_validate({
+        "spec_augment": {"enabled": False},
+        "fine_tune": {"optimizer": "sgd", "lr": 0.1, "steps": 3, "batch_seconds": 10.0},
+        "privacy": {"clipping": clipping, "perlayer_mode": "dim", "clip_bound": clip},
+        "example_dp": {"physical_batch": 3},
+    })  # fmt: skip
+    if model is None:
+        torch.manual_seed(0)
+        model = CTCTransformer(PLAIN, 30)
+    names = [n for n, _ in model.named_parameters()]
+    return ExampleDPSGD(model, utterances, recipe, z, batch, seed, "cpu", trained or names)
+
+
+def one_example_gradient(trainer: ExampleDPSGD, utterance) -> dict[str, torch.Tensor]:
+    """The raw gradient of one utterance's CTC loss, by plain autograd on a copy of the model."""
+    from pflbench.data.batching import collate
+
+    trained = trainer.module._module
+    model = CTCTransformer(trained.cfg, trained.vocab_size).train()  # no opacus hooks
+    model.load_state_dict(trained.state_dict())
+    for param, theirs in zip(model.parameters(), trained.parameters(), strict=True):
+        param.requires_grad_(theirs.requires_grad)
+    batch = collate([utterance])
+    log_probs, out_lens = model(batch.feats, batch.feat_lens)
+    ctc_losses(log_probs, out_lens, batch.targets, batch.target_lens).sum().backward()
+    return {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+
+def assert_close_in_norm(actual: torch.Tensor, expected: torch.Tensor, rtol: float = 1e-4):
+    """Equal up to float rounding, relative to the tensor's norm (sums differ in order)."""
+    error = float((actual.double() - expected.double()).norm())
+    assert error <= rtol * float(expected.double().norm()) + 1e-12, (error, expected.norm())
+
+
+def grads(trainer: ExampleDPSGD) -> dict[str, torch.Tensor]:
+    named = trainer.module._module.named_parameters()
+    return {n: p.grad.clone() for n, p in named if p.requires_grad}
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-example gradients, clipping, noise
+
+
+def test_every_trained_tensor_gets_exact_per_example_gradients_and_frozen_ones_none(
+    utterances,
+):
+    torch.manual_seed(0)
+    model = CTCTransformer(PLAIN, 30)
+    names = [n for n, _ in model.named_parameters()]
+    frozen = {n for n in names if n.endswith(".bias")}
+    trained = [n for n in names if n not in frozen]
+    trainer = trainer_for(utterances, model=model, trained=trained)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    part = [0, 1, 2, 3, 4]
+    trainer._backward(part, torch.Generator().manual_seed(0))
+    named = dict(model.named_parameters())
+    for i in part:
+        alone = one_example_gradient(trainer, utterances[i])
+        assert set(alone) == set(trained)
+        for name in trained:
+            sample = named[name].grad_sample
+            assert sample.shape == (len(part), *named[name].shape), name
+            assert_close_in_norm(sample[i], alone[name])
+    for name in frozen:
+        assert named[name].grad is None and getattr(named[name], "grad_sample", None) is None
+
+
+def test_blocks_skipped_by_layer_drop_give_zero_per_example_gradients(utterances):
+    torch.manual_seed(0)
+    model = build_model("tiny", 30, layer_drop=0.999999)  # every block skipped
+    trainer = trainer_for(utterances, model=model)
+    trainer.optimizer.zero_grad(set_to_none=True)
+    trainer._backward([0, 1, 2], torch.Generator().manual_seed(0))
+    for name, param in model.named_parameters():
+        assert param.grad_sample.shape == (3, *param.shape)
+        assert bool(param.grad_sample.any()) == (not name.startswith("blocks.")), name
+
+
+# No shrinking: every example is a model's forward and backward, and a failure prints its input.
+@settings(max_examples=8, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
+@given(
+    clipping=st.sampled_from(["global", "perlayer"]),
+    log_clip=st.floats(-2, 3),
+    chosen=st.lists(st.integers(0, 11), min_size=1, max_size=5, unique=True),
+)
+def test_each_examples_gradient_is_clipped_on_its_own(utterances, clipping, log_clip, chosen):
+    """With z = 0, B·ĝ is Σ_i clip(g_i): each example's gradient scaled to within C (global) or
+    each tensor to within its C_h (per layer, pflbench's dim allocation), none mixed with
+    another's."""
+    clip = 10.0**log_clip
+    trainer = trainer_for(utterances, clipping=clipping, clip=clip, batch=len(chosen))
+    names = [n for n, p in trainer.module._module.named_parameters()]
+    sizes = [p.numel() for p in trainer.module._module.parameters()]
+    bounds = dict(zip(names, layer_bounds(sizes, clip, "dim").tolist(), strict=True))
+    expected = {n: torch.zeros_like(p) for n, p in trainer.module._module.named_parameters()}
+    for i in chosen:
+        raw = one_example_gradient(trainer, utterances[i])
+        total = math.sqrt(sum(float(g.double().norm()) ** 2 for g in raw.values()))
+        for name, g in raw.items():
+            if clipping == "global":
+                factor = min(1.0, clip / (total + 1e-6))
+            else:
+                factor = min(1.0, bounds[name] / (float(g.norm()) + 1e-6))
+            clipped = g * factor
+            expected[name] += clipped
+        # Each example alone: the privatized gradient is its clipped gradient, inside the bound.
+        trainer.noised_gradient([i], step=0)
+        alone = {n: g * len(chosen) for n, g in grads(trainer).items()}
+        norms = {n: float(g.double().norm()) for n, g in alone.items()}
+        if clipping == "global":
+            assert math.sqrt(sum(v**2 for v in norms.values())) <= clip * (1 + 1e-5)
+        else:
+            assert all(norms[n] <= bounds[n] * (1 + 1e-5) for n in norms)
+    trainer.noised_gradient(chosen, step=0)
+    for name, g in grads(trainer).items():
+        assert_close_in_norm(g * len(chosen), expected[name])
+
+
+@pytest.mark.parametrize("clipping", ["global", "perlayer"])
+def test_the_noise_has_std_z_times_c_over_the_expected_batch(utterances, clipping):
+    z, clip, batch = 1.7, 0.3, 4
+    noisy = trainer_for(utterances, clipping=clipping, clip=clip, z=z, batch=batch)
+    quiet = trainer_for(utterances, clipping=clipping, clip=clip, z=0.0, batch=batch)
+    noisy.noised_gradient([0, 5, 7], step=3)
+    quiet.noised_gradient([0, 5, 7], step=3)
+    noise = torch.cat([(a - b).flatten() for a, b in
+                       zip(grads(noisy).values(), grads(quiet).values(), strict=True)])  # fmt: skip
+    n = noise.numel()
+    std = float(noise.double().std())
+    # The sample std of n normal draws is within 5/sqrt(2n) of sigma (relative) with
+    # overwhelming probability.
+    assert abs(std / (z * clip / batch) - 1) < 5 / math.sqrt(2 * n)
+    assert abs(float(noise.double().mean())) < 5 * z * clip / batch / math.sqrt(n)
+    # An empty Poisson batch is noise alone, and the step's keyed stream draws the same noise.
+    noisy.noised_gradient([], step=3)
+    empty = torch.cat([g.flatten() for g in grads(noisy).values()])
+    torch.testing.assert_close(empty, noise, rtol=1e-5, atol=1e-7)
+
+
+# ----------------------------------------------------------------------------------------------
+# Budgets and accounting
+
+
+@pytest.mark.parametrize("accountant", ["opacus-rdp", "opacus-prv"])
+def test_calibration_meets_the_budget_by_opacus_own_accountant(accountant):
+    from opacus.accountants import create_accountant
+
+    budget = Budget(name="b", unit="example", epsilon=3.0, delta=1e-6, accountant=accountant)
+    q, steps = 32 / 5000, 200
+    z = example_noise_multiplier(budget, q, steps)
+    result = example_epsilon(z, q, steps, budget.delta, accountant)
+    theirs = create_accountant(accountant.removeprefix("opacus-"))
+    theirs.history = [(z, q, steps)]
+    assert result.epsilon == theirs.get_epsilon(delta=budget.delta)
+    assert budget.epsilon - EPSILON_TOLERANCE <= result.epsilon <= budget.epsilon
+    assert result.library_version == __import__("opacus").__version__
+
+
+def test_example_budgets_cannot_be_mistaken_for_user_level_ones():
+    from pflbench.methods import check_budget
+    from pflbench.privacy.example import check_delta, check_example_recipe
+
+    with pytest.raises(ValueError, match="takes no population, cohort, steps"):
+        Budget(name="b", unit="example", epsilon=1, delta=1e-6, population=10, cohort=1, steps=5)
+    with pytest.raises(ValueError, match="needs a DP budget"):
+        Budget(name="b", unit="example", dp=False)
+    with pytest.raises(UserError, match="opacus-rdp, opacus-prv"):
+        check_budget(Budget(name="b", unit="example", epsilon=1, delta=1e-6), "budgets.yaml")
+    with pytest.raises(UserError, match="not below 1/N"):
+        check_delta(1e-3, 1000, "b")
+    # a federated recipe carrying example_dp settings would ignore them: refused
+    recipe = Recipe.model_validate({"example_dp": {"physical_batch": 8}})
+    with pytest.raises(UserError, match="applies to training: dpsgd-example only"):
+        check_example_recipe(recipe)
+    normalize = {"training": "dpsgd-example", "privacy": {"perlayer_rule": "normalize"}}
+    with pytest.raises(UserError, match="perlayer_rule: normalize"):
+        check_example_recipe(Recipe.model_validate(normalize))
+
+
+# ----------------------------------------------------------------------------------------------
+# Runs, records, submit, leaderboard
+
+
+@pytest.fixture(scope="module")
+def dp_run(tmp_path_factory, tiny_cache_dir, tiny_task_data, specs_dir):  # noqa: F811
+    """A finished run of dpsgd-example-perlayer-dim under the example-level budget."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
+        config = _config(specs_dir, "dpsgd-example-perlayer-dim", BUDGET)
+        out = tmp_path_factory.mktemp("dpsgd") / "run"
+        yield run(config, out_dir=out, options=RunOptions(progress=False)), config
+
+
+def test_a_run_records_opacus_epsilon_per_example(dp_run, tiny_task_data):
+    run_dir, config = dp_run
+    record, _ = load_record(run_dir / "record.json")
+    claim = record.privacy
+    assert claim.dp and claim.unit == "example" and claim.claimed_by == "opacus-rdp"
+    assert claim.extrapolated is None and "per example" in claim.how
+    scale = claim.simulated
+    examples = len(tiny_task_data.federated_train)
+    assert scale.population == examples and scale.steps == config.recipe.fine_tune.steps
+    assert scale.sampling_rate == scale.cohort / examples
+    assert math.isclose(claim.sigma_dp * scale.cohort, scale.noise_multiplier, rel_tol=1e-12)
+    assert claim.clip_bound == config.recipe.privacy.clip_bound
+    item = scale.epsilon["opacus-rdp"]
+    assert item.library == "opacus" and item.library_version == __import__("opacus").__version__
+    accountant = RDPAccountant()
+    accountant.history = [(scale.noise_multiplier, scale.sampling_rate, scale.steps)]
+    assert item.epsilon == accountant.get_epsilon(delta=config.budget.delta)
+    assert item.epsilon <= config.budget.epsilon and item.delta == config.budget.delta
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [x for x in lines if "loss" in x]
+    assert [x["step"] for x in steps] == [0, 1, 2]
+    assert [x["epsilon_rdp"] for x in steps][-1] == pytest.approx(item.epsilon)
+    assert all(x["diagnostics"]["private"] is False for x in steps)
+    # the model moved from the seed model
+    final = load_file(run_dir / "checkpoints" / "final.safetensors")
+    meta = json.loads((run_dir / "checkpoints" / "final.json").read_text())
+    seed = load_file(meta["seed_checkpoint"])
+    assert any(not torch.equal(final[k], seed[k]) for k in final)
+
+
+@pytest.mark.parametrize("baseline", EXAMPLE_LEVEL)
+def test_each_example_level_baseline_runs_without_noise(env, tmp_path, baseline):  # noqa: F811
+    run_dir = run(
+        _config(env, baseline), out_dir=tmp_path / "run", options=RunOptions(progress=False)
+    )
+    record, _ = load_record(run_dir / "record.json")
+    claim = record.privacy
+    assert not claim.dp and claim.unit == "example" and claim.simulated.noise_multiplier == 0
+    assert claim.simulated.epsilon == {"opacus-rdp": None} and "infinite" in claim.how
+    final, meta = load_checkpoint(run_dir / "checkpoints" / "final.safetensors")
+    seed, _ = load_checkpoint(Path(meta["seed_checkpoint"]))
+    moved = {name for name in final if not torch.equal(final[name], seed[name])}
+    if baseline == "dpsgd-example-layerfreeze":  # frozen tensors: neither trained nor noised
+        trained = set(json.loads(latest_checkpoint(run_dir).with_suffix(".json").read_text())
+                      ["trained"])  # fmt: skip
+        assert moved == trained and trained < set(final)
+    else:
+        assert moved == set(final)
+
+
+def test_budgets_of_the_other_unit_are_refused(env, tmp_path):  # noqa: F811
+    with pytest.raises(UserError, match="is user-level"):
+        run(_config(env, "dpsgd-example-global", "eps7.2-high-pop"), out_dir=tmp_path / "a")
+    with pytest.raises(UserError, match="is example-level"):
+        run(_config(env, "perlayer-dim", BUDGET), out_dir=tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+@pytest.mark.slow
+def test_kill_and_resume_ends_in_the_same_model(env, tmp_path):  # noqa: F811
+    config = _config(env, "dpsgd-example-global", BUDGET)
+    options = RunOptions(progress=False, checkpoint_every=1)
+    stopped = RunOptions(progress=False, checkpoint_every=1, stop_after=2)
+    assert run(config, out_dir=tmp_path / "killed", options=stopped)
+    assert not (tmp_path / "killed" / "DONE").exists()
+    resumed = run(config, out_dir=tmp_path / "killed", resume=True, options=options)
+    straight = run(config, out_dir=tmp_path / "straight", options=options)
+    a = load_file(resumed / "checkpoints" / "final.safetensors")
+    b = load_file(straight / "checkpoints" / "final.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.fixture(scope="module")
+def data(tiny_corpus_root, tiny_cache_dir) -> DataOptions:
+    """Where `submit` reads the eval sets' references to re-score a run."""
+    return DataOptions(data_root=tiny_corpus_root, cache_dir=tiny_cache_dir)
+
+
+def test_submit_refuses_a_tampered_epsilon(dp_run, specs_dir, data, tmp_path):  # noqa: F811
+    """The honest run is filed; a record with its ε (or its unit) edited is refused."""
+    run_dir, _ = dp_run
+    registry = load_registry([specs_dir])
+    accepted = submit(run_dir, tmp_path / "results", registry, data=data)
+    assert accepted.path.parent.name == BUDGET
+
+    raw = json.loads((run_dir / "record.json").read_text())
+    tampered = copy.deepcopy(raw)
+    tampered["privacy"]["simulated"]["epsilon"]["opacus-rdp"]["epsilon"] *= 0.5
+    tampered["record_id"] = compute_record_id(tampered)
+    copy_dir = tmp_path / "tampered"
+    shutil.copytree(run_dir, copy_dir)
+    (copy_dir / "record.json").write_text(json.dumps(tampered))
+    with pytest.raises(UserError, match="opacus-rdp accountant gives"):
+        submit(copy_dir, tmp_path / "other", registry, data=data)
+    tampered = copy.deepcopy(raw)
+    tampered["privacy"]["unit"] = "user"
+    tampered["record_id"] = compute_record_id(tampered)
+    (copy_dir / "record.json").write_text(json.dumps(tampered))
+    with pytest.raises(UserError, match="privacy.unit is 'user'"):
+        submit(copy_dir, tmp_path / "other", registry, data=data)
+
+
+def test_the_leaderboard_labels_the_epsilon_per_example(dp_run, specs_dir):  # noqa: F811
+    run_dir, config = dp_run
+    record, _ = load_record(run_dir / "record.json")
+    budgets = {name: loaded.spec for name, loaded in load_registry([specs_dir]).budgets.items()}
+    text = render_leaderboard([record], {TASK: 1}, budgets)
+    row = next(line for line in text.splitlines() if "dpsgd-example-perlayer-dim" in line)
+    epsilon = record.privacy.simulated.epsilon["opacus-rdp"].epsilon
+    assert f"{epsilon:.3g} opacus-rdp, per example" in row
+    assert "not comparable" in text and "per example" in text.split(row)[0]
