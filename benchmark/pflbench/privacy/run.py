@@ -10,8 +10,13 @@ from __future__ import annotations
 from pflbench.errors import UserError
 from pflbench.privacy.accountants import compute_epsilon
 from pflbench.privacy.audit import check_audit
-from pflbench.privacy.sampling import sampling_rate
-from pflbench.privacy.statement import budget_noise, check_steps_within_budget, privacy_statement
+from pflbench.privacy.mechanisms import check_mechanism_recipe
+from pflbench.privacy.statement import (
+    budget_noise,
+    check_steps_within_budget,
+    described_at_scale,
+    privacy_statement,
+)
 from pflbench.spec.models import RunConfig
 
 DEFAULT_DELTA = 1e-9  # δ for the simulated-scale statement of runs without a DP budget
@@ -35,6 +40,7 @@ def check_run_privacy(config: RunConfig) -> None:
             f" row, so budget {config.budget.name!r} cannot be met; use --budget none"
         )
     check_audit(config.recipe)
+    check_mechanism_recipe(config.recipe)
     if config.budget.dp and config.recipe.privacy.clipping == "none":
         raise UserError(
             f"baseline {config.baseline.name!r} does not clip client updates "
@@ -42,21 +48,22 @@ def check_run_privacy(config: RunConfig) -> None:
             "use --budget none or a clipping baseline"
         )
     steps = config.recipe.federated.central_steps
-    check_steps_within_budget(steps, config.budget, "federated.central_steps")
+    privacy = config.recipe.privacy
+    check_steps_within_budget(steps, config.budget, "federated.central_steps", privacy)
 
 
 def run_sigma_dp(config: RunConfig) -> float:
-    """σ_DP of the run: the budget's (0 without DP)."""
-    return float(budget_noise(config.budget)["sigma_dp"])
+    """σ_DP of the run: the budget's for its mechanism (0 without DP)."""
+    return float(budget_noise(config.budget, config.recipe.privacy)["sigma_dp"])
 
 
 def epsilon_so_far(config: RunConfig, sigma_dp: float, population: int, steps: int) -> float | None:
     """ε by RDP at the simulated scale after `steps` central steps (None without noise)."""
     if sigma_dp == 0 or steps == 0:
         return None
-    q = sampling_rate(population, config.recipe.federated.cohort_size)
-    delta = config.budget.delta or DEFAULT_DELTA
-    return compute_epsilon(sigma_dp * q * population, q, steps, delta, "rdp").epsilon
+    cohort = min(config.recipe.federated.cohort_size, population)
+    described = described_at_scale(config.recipe.privacy, sigma_dp, cohort, population, steps)
+    return compute_epsilon(described, config.budget.delta or DEFAULT_DELTA, "rdp").epsilon
 
 
 def privacy_claim(config: RunConfig, sigma_dp: float, population: int) -> dict:
@@ -74,6 +81,7 @@ def privacy_claim(config: RunConfig, sigma_dp: float, population: int) -> dict:
         sampling=fed.sampling,
         budget=config.budget if config.budget.dp else None,
         pseudo_users=config.task.federated_data.iid,
+        privacy=config.recipe.privacy,
     )
     adaptive = config.recipe.privacy.adaptive_clip
     if adaptive is not None:
