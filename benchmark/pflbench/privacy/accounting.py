@@ -76,6 +76,69 @@ class SampledGaussian:
         }
 
 
+# The theorem BandMF descriptions reduce by, as records cite it.
+BANDMF_AMPLIFICATION = (
+    "Choquette-Choo et al. 2023, (Amplified) Banded Matrix Factorization, Thm. 4: with a b-banded"
+    " lower-triangular C and cyclic Poisson participation (users split once into b groups, group"
+    " t mod b eligible at step t, each of its users sampled with probability q_b), BandMF is as"
+    " private as the Poisson(q_b)-subsampled Gaussian mechanism with noise multiplier"
+    " z/max_j||C e_j|| composed over ceil(T/b) steps: one participation's contribution to Cx lies"
+    " in column j of C, and the columns of one user's steps have disjoint supports"
+)
+
+
+@dataclass(frozen=True)
+class BandMF:
+    """BandMF DP-FTRL (Choquette-Choo et al. 2023): the release Cx + z over T steps, C b-banded
+    lower-triangular, z_t ~ N(0, (z·C_clip)² I) in the units of the sum, users taking part by
+    cyclic Poisson sampling at rate q_b in their group. `column_norm` = max_j ‖C e_j‖ (one
+    participation's L2 sensitivity over C_clip), `sensitivity` = max over a user's possible
+    participations of ‖C u‖ (all of them at once: what an analysis without amplification uses)."""
+
+    kind: ClassVar[str] = "bandmf"
+    noise_multiplier: float
+    sampling_rate: float
+    steps: int
+    bands: int
+    column_norm: float
+    sensitivity: float
+    participation: str = "cyclic Poisson"
+
+    def check(self) -> None:
+        q, bands, steps = self.sampling_rate, self.bands, self.steps
+        if int(bands) != bands or bands < 1:
+            raise UserError(f"BandMF needs an integer number of bands >= 1, got {bands}")
+        if int(steps) != steps or steps < 1:
+            raise UserError(f"steps must be an integer >= 1, got {steps}")
+        if not 0 < q <= 1:
+            raise UserError(f"BandMF's sampling rate q_b = b*S/K must be in (0, 1], got {q}")
+        if not (self.column_norm > 0 and self.sensitivity >= self.column_norm):
+            raise UserError(
+                f"BandMF's sensitivities must satisfy 0 < max column norm <= sensitivity, got"
+                f" {self.column_norm} and {self.sensitivity}"
+            )
+        self.reduced().check()
+
+    def reduced(self) -> SampledGaussian:
+        """The sampled Gaussian BANDMF_AMPLIFICATION says this run is as private as."""
+        rounds = math.ceil(self.steps / self.bands)
+        return SampledGaussian(self.noise_multiplier / self.column_norm, self.sampling_rate, rounds)
+
+    def record(self) -> dict:
+        return {
+            "kind": self.kind,
+            "noise_multiplier": self.noise_multiplier,
+            "sampling_rate": self.sampling_rate,
+            "steps": self.steps,
+            "bands": self.bands,
+            "column_norm": self.column_norm,
+            "sensitivity": self.sensitivity,
+            "participation": self.participation,
+            "reduction": BANDMF_AMPLIFICATION,
+            "as_sampled_gaussian": self.reduced().record(),
+        }
+
+
 def sampled_gaussian(sampling_rate: float, steps: int) -> Callable[[float], SampledGaussian]:
     """z -> SampledGaussian(z, q, T): the family `calibrate_noise` searches."""
     return functools.partial(SampledGaussian, sampling_rate=sampling_rate, steps=steps)

@@ -31,8 +31,9 @@ NO_FL_PRIVACY = {
 
 def check_run_privacy(config: RunConfig) -> None:
     """Refuse runs a DP budget cannot cover: DP noise is calibrated to a clipping bound (so the
-    baseline must clip), and to the budget's T (so the run may not take more central steps);
-    training that is not federated has no DP mechanism at all."""
+    baseline must clip), to the budget's T (so the run may not take more central steps) and to
+    the run's privacy mechanism (which must fit the recipe and be accountable at the budget's
+    scale); training that is not federated has no DP mechanism at all."""
     training = config.recipe.training
     if config.budget.dp and training != "federated":
         raise UserError(
@@ -50,6 +51,9 @@ def check_run_privacy(config: RunConfig) -> None:
     steps = config.recipe.federated.central_steps
     privacy = config.recipe.privacy
     check_steps_within_budget(steps, config.budget, "federated.central_steps", privacy)
+    # The mechanism's noise for the budget: refused now where the mechanism cannot be accounted at
+    # the budget's scale (BandMF with more bands than the extrapolated population allows).
+    budget_noise(config.budget, privacy)
 
 
 def run_sigma_dp(config: RunConfig) -> float:

@@ -81,7 +81,7 @@ class PrivacyMechanism:
             where = f"privacy.mechanism_options of {recipe.privacy.mechanism!r}"
             raise ValueError(format_validation_error(where, exc)) from None
 
-    # Accounting: no run needed ------------------------------------------------------------------
+    # Accounting: no run needed --------------------------------------------------------------------
 
     @classmethod
     def describe(
@@ -116,7 +116,7 @@ class PrivacyMechanism:
         the sampled Gaussian's parameters)."""
         return {}
 
-    # Who takes part ------------------------------------------------------------------------------
+    # Who takes part -------------------------------------------------------------------------------
 
     @classmethod
     def expected_cohort(cls, recipe: Recipe, population: int) -> float:
