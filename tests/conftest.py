@@ -76,3 +76,26 @@ def make_algorithm(recipe, model, names: list[str], seed: int = 0, device: str =
     algorithm = CLIENT_ALGORITHMS[recipe.algorithm](recipe, context)
     algorithm._test_folder = folder
     return algorithm
+
+
+def make_mechanism(privacy, users, sigma_dp: float = 0.0, cohort: int | None = None,
+                   sampling: str = "fixed", seed: int = 0, device: str = "cpu",
+                   clip_bound: float | None = None):  # fmt: skip
+    """The privacy mechanism `privacy` (a PrivacyRecipe or its fields) names, for aggregators
+    built by hand: over `users` (ids, or how many), cohorts of `cohort` (default: everyone), so
+    its denominator is min(cohort, users) for fixed sampling and qK for Poisson; `clip_bound`: a
+    bound C_t the adaptation has moved to."""
+    import torch
+
+    from pflbench.privacy.mechanisms import PRIVACY_MECHANISMS, MechanismContext
+    from pflbench.spec.models import Recipe
+
+    if isinstance(users, int):
+        users = [f"u{i}" for i in range(users)]
+    fed = {"sampling": sampling, "cohort_size": cohort or len(users)}
+    recipe = Recipe.model_validate({"privacy": privacy, "federated": fed})
+    context = MechanismContext(users, sigma_dp, seed, device)
+    mechanism = PRIVACY_MECHANISMS[recipe.privacy.mechanism](recipe, context)
+    if clip_bound is not None:
+        mechanism.load_state_dict({"clip_bound": torch.tensor(clip_bound, dtype=torch.float64)})
+    return mechanism

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_algorithm
+from conftest import make_algorithm, make_mechanism
 from pydantic import ValidationError
 
 from pflbench.errors import UserError
@@ -226,8 +226,8 @@ def test_data_limit_and_variational_noise():
 
 def _aggregator(privacy: PrivacyRecipe, sigma_dp: float = 0.0, step: int = 0, like=None):
     like = like or {"a": torch.zeros(3), "b": torch.zeros(2)}
-    return StepAggregator(like, privacy, sigma_dp, denominator=2.0, update_bound=10.0,
-                          seed=0, step=step, device="cpu")  # fmt: skip
+    mechanism = make_mechanism(privacy, users=2, sigma_dp=sigma_dp)  # denominator 2
+    return StepAggregator(like, mechanism, step, update_bound=10.0)
 
 
 def test_aggregate_clips_sums_and_averages():
@@ -260,23 +260,19 @@ ALLOWED = [("server", "poisson"), ("server", "fixed"), ("client", "fixed")]
 K, S, C, SIGMA, WIDTH, STEPS = 40, 8, 0.5, 0.1, 400, 60
 
 
-def denominator(sampling: str) -> float:
-    """What the simulator divides the sum by: qK (Poisson) or S (fixed)."""
-    return expected_cohort(K, S) if sampling == "poisson" else min(S, K)
-
-
 @pytest.mark.parametrize(("placement", "sampling"), ALLOWED)
 def test_noise_std_on_the_average_is_c_sigma_for_every_allowed_configuration(placement, sampling):
     # The real cohort sampler and StepAggregator over many keyed steps; users send zero updates,
     # so what comes out is the noise on the average alone.
     privacy = PrivacyRecipe(clipping="global", clip_bound=C, noise_placement=placement)
-    Recipe(privacy=privacy, federated={"sampling": sampling, "cohort_size": S})  # allowed
+    mechanism = make_mechanism(privacy, K, SIGMA, cohort=S, sampling=sampling, seed=11)
+    # What it divides the sum by: qK (Poisson) or S (fixed).
+    assert mechanism.denominator == (expected_cohort(K, S) if sampling == "poisson" else S)
     noise, ratios = [], []
     for step in range(STEPS):
         like = {"w": torch.zeros(WIDTH // 2), "b": torch.zeros(WIDTH // 2)}
-        agg = StepAggregator(like, privacy, SIGMA, denominator(sampling), update_bound=10.0,
-                             seed=11, step=step, device="cpu")  # fmt: skip
-        for user in sample_cohort(K, S, sampling, seed=11, step=step).tolist():
+        agg = StepAggregator(like, mechanism, step, update_bound=10.0)
+        for user in mechanism.cohort(step).tolist():
             agg.add({name: torch.zeros_like(t) for name, t in like.items()}, f"u{user}", 0, 1, 1)
         grads, _ = agg.finish()
         step_noise = torch.cat(grads).double()
@@ -310,8 +306,8 @@ def test_client_noise_with_poisson_sampling_is_refused_where_it_would_be_wrong()
         Recipe(privacy={"noise_placement": "client"}, federated={"sampling": "poisson"})
     # ... and so does the aggregator, whatever it is handed: the client count must be qK.
     privacy = PrivacyRecipe(clipping="global", clip_bound=C, noise_placement="client")
-    agg = StepAggregator({"w": torch.zeros(WIDTH)}, privacy, SIGMA, qk, update_bound=10.0,
-                         seed=11, step=0, device="cpu")  # fmt: skip
+    mechanism = make_mechanism(privacy, K, SIGMA, cohort=S, seed=11)
+    agg = StepAggregator({"w": torch.zeros(WIDTH)}, mechanism, 0, update_bound=10.0)
     for user in range(S - 3):
         agg.add({"w": torch.zeros(WIDTH)}, f"u{user}", 0, 1, 1)
     with pytest.raises(ValueError, match="client-side noise needs exactly 8 clients"):
@@ -347,12 +343,13 @@ def test_adaptive_clipping_noise_and_bits_spend_exactly_the_budgets_sigma():
     noise, fractions = [], []
     for step in range(STEPS):
         like = {"w": torch.zeros(WIDTH)}
-        agg = StepAggregator(like, privacy, sigma, S, update_bound=10.0, seed=5, step=step,
-                             device="cpu", clip_bound=bound)  # fmt: skip
+        mechanism = make_mechanism(privacy, S, sigma, seed=5, clip_bound=bound)  # denominator S
+        agg = StepAggregator(like, mechanism, step, update_bound=10.0)
         for user in range(S):
             agg.add({"w": torch.zeros(WIDTH)}, f"u{user}", 0, 1, 1)
         grads, stats = agg.finish()
         assert stats["clip_bound"] == bound
+        assert mechanism.clip_bound != bound  # the release moved it for the next step
         noise.append(torch.cat(grads).double())
         fractions.append(stats["unclipped_fraction"])
     assert float(torch.cat(noise).std()) / (bound * update_sigma) == pytest.approx(1, abs=0.05)

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from conftest import make_mechanism
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
 from pflbench.fl.aggregate import StepAggregator
@@ -84,7 +85,7 @@ def device_backends(backend: str) -> dict[str, str]:
 def test_a_cuda_run_has_a_backend_for_every_tensor_its_steps_all_reduce():
     # A CUDA run's step reduces its int64 sums on the GPU and its float64 stats on the CPU; an
     # NCCL-only group has no backend for the CPU tensor and fails at the first step.
-    agg = StepAggregator({"w": torch.zeros(3)}, PrivacyRecipe(), 0.0, 2.0, 1.0, 0, 0, "cpu")
+    agg = StepAggregator({"w": torch.zeros(3)}, make_mechanism(PrivacyRecipe(), 2), 0, 1.0)
     assert agg.stats.device.type == "cpu" and agg.stats.dtype == torch.float64
     assert device_backends(process_group_backend("cuda")) == {"cpu": "gloo", "cuda": "nccl"}
     assert device_backends(process_group_backend("cpu"))["cpu"] == "gloo"
@@ -105,7 +106,7 @@ def _stats_worker(rank: int, world_size: int, port: int, out: str) -> None:
 
     dist.all_reduce = checked_all_reduce
     privacy = PrivacyRecipe(clipping="global", clip_bound=1.0)
-    agg = StepAggregator({"w": torch.zeros(2)}, privacy, 0.0, 3.0, 10.0, 0, 0, "cpu")
+    agg = StepAggregator({"w": torch.zeros(2)}, make_mechanism(privacy, 3), 0, 10.0)
     # rank 0 holds user a, rank 1 users b and c (b over the bound C = 1: clipped to [0.6, 0.8])
     users = {
         0: [("a", [0.3, 0.0], 1.0, 100)],

@@ -8,6 +8,7 @@ import pytest
 
 from pflbench.errors import UserError
 from pflbench.privacy.accountants import ACCOUNTANTS, calibrate_noise, compute_epsilon
+from pflbench.privacy.accounting import SampledGaussian, sampled_gaussian
 from pflbench.privacy.rdp import RDP_ORDERS, rdp_epsilon
 from pflbench.privacy.statement import budget_noise, privacy_statement
 from pflbench.spec.models import Budget
@@ -77,7 +78,7 @@ def paper_tolerance(printed: float) -> float:
 
 @pytest.mark.parametrize(("z", "q", "steps", "paper"), HEADLINE_ROWS)
 def test_rdp_reproduces_table_1_within_5_percent(z, q, steps, paper):
-    result = compute_epsilon(z, q, steps, DELTA, "rdp")
+    result = compute_epsilon(SampledGaussian(z, q, steps), DELTA, "rdp")
     assert result.epsilon == pytest.approx(paper, rel=0.05)
     assert result.library == "opacus" and result.details["orders"] == list(RDP_ORDERS)
 
@@ -88,7 +89,7 @@ def test_rdp_matches_every_table_row_at_the_papers_order(z, q, steps, paper, ord
     at_order, _ = rdp_epsilon(z, q, steps, DELTA, orders=(order,))
     assert abs(at_order - paper) <= paper_tolerance(paper)
     # Our grid holds the paper's order (or finer ones), so the epsilon we report is never looser.
-    best = compute_epsilon(z, q, steps, DELTA, "rdp").epsilon
+    best = compute_epsilon(SampledGaussian(z, q, steps), DELTA, "rdp").epsilon
     assert best <= at_order * (1 + 1e-12)
 
 
@@ -98,7 +99,7 @@ def test_table_rows_with_our_order_grid():
     report and our epsilon is smaller, i.e. a tighter valid bound, never a looser one."""
     matching = 0
     for z, q, steps, paper, order in PAPER_ROWS:
-        result = compute_epsilon(z, q, steps, DELTA)
+        result = compute_epsilon(SampledGaussian(z, q, steps), DELTA)
         if abs(result.epsilon - paper) <= paper_tolerance(paper):
             matching += 1
         else:
@@ -108,8 +109,8 @@ def test_table_rows_with_our_order_grid():
 
 @pytest.mark.parametrize(("z", "q", "steps", "paper"), [*HEADLINE_ROWS, (0.2048, 0.0295, 2006, 0)])
 def test_pld_is_at_most_rdp(z, q, steps, paper):
-    rdp = compute_epsilon(z, q, steps, DELTA, "rdp")
-    pld = compute_epsilon(z, q, steps, DELTA, "pld")
+    rdp = compute_epsilon(SampledGaussian(z, q, steps), DELTA, "rdp")
+    pld = compute_epsilon(SampledGaussian(z, q, steps), DELTA, "pld")
     assert 0 < pld.epsilon <= rdp.epsilon
     assert pld.library == "dp_accounting" and pld.order is None
     assert pld.details["value_discretization_interval"] > 0
@@ -117,13 +118,13 @@ def test_pld_is_at_most_rdp(z, q, steps, paper):
 
 def test_pld_refuses_astronomical_epsilons_with_a_clear_error():
     with pytest.raises(UserError, match="rdp accountant"):
-        compute_epsilon(1e-5, 0.5, 2000, DELTA, "pld")
+        compute_epsilon(SampledGaussian(1e-5, 0.5, 2000), DELTA, "pld")
 
 
 @pytest.mark.parametrize("accountant", ["rdp", "pld"])
 def test_epsilon_is_monotone(accountant):
     def eps(z=1.0, q=0.01, steps=500):
-        return compute_epsilon(z, q, steps, 1e-6, accountant).epsilon
+        return compute_epsilon(SampledGaussian(z, q, steps), 1e-6, accountant).epsilon
 
     by_noise = [eps(z=z) for z in (0.6, 0.8, 1.2, 2.0)]
     by_steps = [eps(steps=t) for t in (10, 100, 500, 2000)]
@@ -146,15 +147,20 @@ def test_no_subsampling_matches_the_gaussian_rdp_curve():
 @pytest.mark.parametrize(("accountant", "target"), [("rdp", 7.2), ("rdp", 0.5), ("pld", 4.5)])
 def test_calibration_round_trip(accountant, target):
     q, steps = 0.00295, 2034
-    z = calibrate_noise(target, q, steps, DELTA, accountant)
-    assert compute_epsilon(z, q, steps, DELTA, accountant).epsilon <= target
+    z = calibrate_noise(target, sampled_gaussian(q, steps), DELTA, accountant)
+    assert compute_epsilon(SampledGaussian(z, q, steps), DELTA, accountant).epsilon <= target
     # smallest: 2e-4 less noise (twice the tolerance) breaks the target
-    assert compute_epsilon(z * (1 - 2e-4), q, steps, DELTA, accountant).epsilon > target
+    assert (
+        compute_epsilon(SampledGaussian(z * (1 - 2e-4), q, steps), DELTA, accountant).epsilon
+        > target
+    )
 
 
 def test_forward_then_inverse_recovers_the_noise():
-    epsilon = compute_epsilon(0.6144, 0.00295, 2034, DELTA).epsilon
-    assert calibrate_noise(epsilon, 0.00295, 2034, DELTA) == pytest.approx(0.6144, rel=2e-4)
+    epsilon = compute_epsilon(SampledGaussian(0.6144, 0.00295, 2034), DELTA).epsilon
+    assert calibrate_noise(epsilon, sampled_gaussian(0.00295, 2034), DELTA) == pytest.approx(
+        0.6144, rel=2e-4
+    )
 
 
 @pytest.mark.parametrize(
@@ -171,17 +177,18 @@ def test_forward_then_inverse_recovers_the_noise():
     ],
 )
 def test_invalid_mechanisms_are_user_errors(args):
+    z, q, steps, delta = args
     with pytest.raises(UserError):
-        compute_epsilon(*args)
+        compute_epsilon(SampledGaussian(z, q, steps), delta)
 
 
 def test_invalid_accountant_and_target_are_user_errors():
     with pytest.raises(UserError, match="unknown accountant"):
-        compute_epsilon(1.0, 0.01, 100, 1e-5, "moments")
+        compute_epsilon(SampledGaussian(1.0, 0.01, 100), 1e-5, "moments")
     with pytest.raises(UserError, match="target epsilon"):
-        calibrate_noise(0.0, 0.01, 100, 1e-5)
+        calibrate_noise(0.0, sampled_gaussian(0.01, 100), 1e-5)
     with pytest.raises(UserError, match="unknown accountant"):
-        calibrate_noise(1.0, 0.01, 100, 1e-5, "gdp")
+        calibrate_noise(1.0, sampled_gaussian(0.01, 100), 1e-5, "gdp")
 
 
 HIGH_POP = Budget(

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import make_mechanism
 from scipy import stats
 from test_results_plots import assert_image
 from typer.testing import CliRunner
@@ -17,6 +18,7 @@ from pflbench.cli.run import run_summary
 from pflbench.errors import UserError
 from pflbench.fl.aggregate import StepAggregator
 from pflbench.privacy.accountants import ACCOUNTANTS, compute_epsilon
+from pflbench.privacy.accounting import SampledGaussian
 from pflbench.privacy.audit import (
     CanaryAudit,
     canary_update,
@@ -30,7 +32,6 @@ from pflbench.privacy.audit import (
 )
 from pflbench.privacy.clipping import clip_update, layer_bounds
 from pflbench.privacy.noise import server_noise_std
-from pflbench.privacy.sampling import expected_cohort, sample_cohort
 from pflbench.privacy.statement import epsilons_at_scale
 from pflbench.results.leaderboard import render_leaderboard
 from pflbench.results.plots import plot_results
@@ -62,7 +63,7 @@ def test_gdp_delta_at_epsilon_zero_is_the_total_variation_of_two_unit_gaussians(
 def test_gdp_epsilon_equals_the_pld_accountant_for_the_composed_gaussian_mechanism(z, steps):
     # T unsampled Gaussian mechanisms of noise multiplier z are exactly (√T/z)-GDP; dp_accounting's
     # PLD is tight for them. Fault caught: a wrong μ-GDP → (ε, δ) conversion.
-    pld = compute_epsilon(z, 1.0, steps, DELTA, "pld").epsilon
+    pld = compute_epsilon(SampledGaussian(z, 1.0, steps), DELTA, "pld").epsilon
     assert gdp_epsilon(math.sqrt(steps) / z, DELTA) == pytest.approx(pld, rel=1e-4)
 
 
@@ -132,7 +133,8 @@ def test_a_canary_is_folded_in_at_the_step_s_clip_bound():
     # canary at the recipe's C would be clipped, or stand out, once the bound has moved).
     recipe = Recipe.model_validate({"privacy": {"audit_canaries": 1, "clip_bound": 1.0}})
     audit = CanaryAudit(recipe, 0, LIKE, [])
-    aggregator = StepAggregator(LIKE, recipe.privacy, 0.0, 1.0, 10.0, 0, 0, "cpu", 0.3)
+    mechanism = make_mechanism(recipe.privacy, 1, clip_bound=0.3)
+    aggregator = StepAggregator(LIKE, mechanism, 0, 10.0)
     assert audit.fold_in(aggregator, [audit.ids[0], "someone"]) == ["someone"]
     grads, report = aggregator.finish()
     assert float(torch.cat([g.flatten() for g in grads]).norm()) == pytest.approx(0.3, rel=1e-5)
@@ -232,12 +234,10 @@ def audit_aggregator(
     users = [f"user{i}" for i in range(REAL_USERS)]
     audit = CanaryAudit(recipe, 0, params, users)
     everyone = users + audit.ids
-    denominator = expected_cohort(population, cohort) if sampling == "poisson" else cohort
+    mechanism = make_mechanism(recipe.privacy, everyone, sigma_dp, cohort, sampling)
     for step in range(STEPS):
-        aggregator = StepAggregator(
-            params, recipe.privacy, sigma_dp, denominator, 100.0, 0, step, "cpu"
-        )
-        sampled = sample_cohort(population, cohort, sampling, 0, step).tolist()
+        aggregator = StepAggregator(params, mechanism, step, 100.0)
+        sampled = mechanism.cohort(step).tolist()
         for user in audit.fold_in(aggregator, [everyone[i] for i in sampled]):
             generator = keyed_generator(user, step)
             update = {k: torch.randn(p.shape, generator=generator) for k, p in params.items()}
@@ -245,7 +245,7 @@ def audit_aggregator(
         grads, _ = aggregator.finish()
         torch._foreach_sub_(list(params.values()), grads)
     scale = epsilons_at_scale(sigma_dp, cohort, population, STEPS, DELTA, ("rdp", "pld"))
-    return audit.finish(params, STEPS, scale)
+    return audit.finish(params, mechanism.cohort, STEPS, scale)
 
 
 NOISE_MULTIPLIER = 1.2  # at q = 0.5 and T = 8: ε ≈ 8 (RDP), 7.2 (PLD) at δ = 1e-5

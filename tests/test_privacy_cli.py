@@ -8,7 +8,7 @@ import pytest
 
 from pflbench.cli import main
 from pflbench.privacy.accountants import ACCOUNTANTS, compute_epsilon
-from pflbench.privacy.accounting import Accountant, EpsilonResult
+from pflbench.privacy.accounting import Accountant, EpsilonResult, SampledGaussian
 
 TABLE_1 = ["--delta", "1e-9"]
 
@@ -32,7 +32,10 @@ def test_epsilon_json_matches_the_library(capsys, monkeypatch):
     assert code == 0
     record = json.loads(out)
     assert set(record) == set(ACCOUNTANTS) == {"rdp", "pld", "prv"}
-    assert record["rdp"]["epsilon"] == compute_epsilon(0.6144, 0.00295, 2034, 1e-9).epsilon
+    assert (
+        record["rdp"]["epsilon"]
+        == compute_epsilon(SampledGaussian(0.6144, 0.00295, 2034), 1e-9).epsilon
+    )
     assert record["rdp"]["order"] == 4.0 and record["rdp"]["details"]["orders"][0] == 1.1
     assert record["pld"]["epsilon"] <= record["rdp"]["epsilon"]
     assert record["prv"]["epsilon"] <= record["rdp"]["epsilon"]
@@ -140,7 +143,8 @@ def test_installed_command_exit_code():
 def test_the_registry_drives_the_cli(capsys, monkeypatch):
     """A registered accountant is a choice of `privacy epsilon` and part of `all`."""
 
-    def epsilon(z, q, steps, delta):
+    def epsilon(mechanism, delta):
+        z, q, steps = mechanism.noise_multiplier, mechanism.sampling_rate, mechanism.steps
         return EpsilonResult("flat", "none", "0", 1.5, delta, z, q, steps, None, {"how": "flat"})
 
     flat = Accountant("flat", "flat (test)", "none", epsilon, lambda d: d["how"], False)

@@ -7,6 +7,7 @@ from pflbench.errors import UserError
 from pflbench.methods import check_budget
 from pflbench.privacy import prv
 from pflbench.privacy.accountants import ACCOUNTANTS, calibrate_noise, compute_epsilon
+from pflbench.privacy.accounting import SampledGaussian, sampled_gaussian
 from pflbench.privacy.statement import privacy_statement
 from pflbench.spec.models import Budget
 
@@ -25,9 +26,9 @@ PAPER_ROWS = [
 def test_prv_agrees_with_pld_and_is_at_most_rdp(z, q, steps):
     """Tolerance: PLD's (pessimistic) ε lies within PRV's proven error bounds [lower, upper],
     which are at most 2 * eps_error (0.02 here) wide; PRV reports the upper bound."""
-    rdp = compute_epsilon(z, q, steps, DELTA, "rdp").epsilon
-    pld = compute_epsilon(z, q, steps, DELTA, "pld").epsilon
-    result = compute_epsilon(z, q, steps, DELTA, "prv")
+    rdp = compute_epsilon(SampledGaussian(z, q, steps), DELTA, "rdp").epsilon
+    pld = compute_epsilon(SampledGaussian(z, q, steps), DELTA, "pld").epsilon
+    result = compute_epsilon(SampledGaussian(z, q, steps), DELTA, "prv")
     details = result.details
     assert result.epsilon == details["epsilon_upper_bound"]
     assert details["epsilon_lower_bound"] <= pld <= result.epsilon <= rdp
@@ -37,21 +38,21 @@ def test_prv_agrees_with_pld_and_is_at_most_rdp(z, q, steps):
 
 def test_the_paper_headline_row():
     # Table 1's eps7.2-high-pop: RDP 7.23, PLD 6.30, PRV's upper bound 6.31.
-    assert compute_epsilon(0.6144, 0.00295, 2034, DELTA, "prv").epsilon == pytest.approx(
-        6.31, abs=0.01
-    )
+    assert compute_epsilon(
+        SampledGaussian(0.6144, 0.00295, 2034), DELTA, "prv"
+    ).epsilon == pytest.approx(6.31, abs=0.01)
 
 
 def test_prv_refuses_very_large_epsilons_with_a_clear_error():
     with pytest.raises(UserError, match="PRV accountant not run.*rdp accountant"):
-        compute_epsilon(0.01024, 0.0295, 2006, DELTA, "prv")  # RDP: 1.1e7
+        compute_epsilon(SampledGaussian(0.01024, 0.0295, 2006), DELTA, "prv")  # RDP: 1.1e7
 
 
 def test_a_numeric_failure_of_the_library_is_a_user_error(monkeypatch):
     # Without the guard, the library's own discretization check fails at RDP epsilon 4e4.
     monkeypatch.setattr(prv, "PRV_MAX_RDP_EPSILON", float("inf"))
     with pytest.raises(UserError, match="PRV accountant failed numerically"):
-        compute_epsilon(0.02, 16 / 1200, 30, DELTA, "prv")
+        compute_epsilon(SampledGaussian(0.02, 16 / 1200, 30), DELTA, "prv")
 
 
 def test_statements_cross_check_with_prv_and_skip_it_where_it_cannot_compute():
@@ -68,7 +69,7 @@ def test_statements_cross_check_with_prv_and_skip_it_where_it_cannot_compute():
 
 def test_prv_is_a_cross_check_only():
     with pytest.raises(UserError, match="unknown accountant 'prv' for calibrating noise"):
-        calibrate_noise(7.2, 0.00295, 2034, DELTA, "prv")
+        calibrate_noise(7.2, sampled_gaussian(0.00295, 2034), DELTA, "prv")
     budget = Budget(  # a name: checked when specs are loaded
         name="b", epsilon=7.2, delta=DELTA, population=10**6, cohort=1000, steps=10,
         accountant="prv",

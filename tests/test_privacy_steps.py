@@ -25,7 +25,7 @@ from pflbench.privacy.steps import (
 from pflbench.spec.models import AdaptiveClip, PrivacyRecipe
 
 SHAPES = {"enc.w": (64, 48), "enc.b": (48,), "out.w": (31, 48), "out.b": (31,)}
-C, SIGMA, S, UPDATE_BOUND, SEED, STEP = 0.5, 0.02, 16.0, 7.0, 3, 11
+C, SIGMA, S, SEED, STEP = 0.5, 0.02, 16.0, 3, 11
 
 
 def random_update(scale: float = 1.0, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -46,9 +46,7 @@ def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def steps_for(sigma_dp: float = SIGMA, clip_bound: float = C, **privacy):
-    return privacy_steps(
-        PrivacyRecipe(**privacy), sigma_dp, clip_bound, S, UPDATE_BOUND, SEED, STEP, "cpu"
-    )
+    return privacy_steps(PrivacyRecipe(**privacy), sigma_dp, clip_bound, S, SEED, "cpu")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,12 +56,12 @@ def steps_for(sigma_dp: float = SIGMA, clip_bound: float = C, **privacy):
 def test_zero_nonfinite_zeroes_a_broken_update_and_says_so():
     update = random_update()
     update["out.b"][3] = float("inf")
-    facts = ZeroNonfinite().apply(update, "u", {})
+    facts = ZeroNonfinite().apply(update, "u", STEP, {})
     assert facts["nonfinite"] is True and not facts["norms"].any()
     assert all(not t.any() for t in update.values())
     finite = random_update()
     kept = copy(finite)
-    facts = ZeroNonfinite().apply(finite, "u", {})
+    facts = ZeroNonfinite().apply(finite, "u", STEP, {})
     assert facts["nonfinite"] is False
     assert torch.equal(facts["norms"], layer_norms(list(kept.values())))  # measured once
     assert same(finite, kept)
@@ -74,9 +72,9 @@ def test_the_clips_reuse_measured_norms_and_bound_every_element_after_them():
     from scratch; `largest` bounds every element, so the exact sum may skip its range pass."""
     for step in (ClipGlobal(C), ClipPerLayer(C, "dim", "clip"), MeasureNorms()):
         update, fresh = random_update(), random_update()
-        seen = ZeroNonfinite().apply(update, "u", {})
-        facts = step.apply(update, "u", seen)
-        step.apply(fresh, "u", {})
+        seen = ZeroNonfinite().apply(update, "u", STEP, {})
+        facts = step.apply(update, "u", STEP, seen)
+        step.apply(fresh, "u", STEP, {})
         assert same(update, fresh)
         largest = max(float(t.abs().max()) for t in update.values())
         assert largest <= facts["largest"] <= 1.01 * float(layer_norms(list(update.values())).max())
@@ -85,7 +83,7 @@ def test_the_clips_reuse_measured_norms_and_bound_every_element_after_them():
 def test_clip_global_bounds_the_norm_keeps_the_direction_and_reports_the_norms_before():
     update = random_update()  # norm ~70, far over C
     before = copy(update)
-    facts = ClipGlobal(C).apply(update, "u", {})
+    facts = ClipGlobal(C).apply(update, "u", STEP, {})
     assert facts["clipped"] is True
     assert torch.equal(facts["norms"], layer_norms(list(before.values())))
     assert C * (1 - 1e-6) < total_norm(update) <= C
@@ -94,7 +92,7 @@ def test_clip_global_bounds_the_norm_keeps_the_direction_and_reports_the_norms_b
         torch.testing.assert_close(update[name], before[name] * scale, rtol=1e-5, atol=0)
     small = random_update(scale=1e-4)  # norm ~7e-3, inside C: left bitwise alone
     kept = copy(small)
-    assert ClipGlobal(C).apply(small, "u", {})["clipped"] is False
+    assert ClipGlobal(C).apply(small, "u", STEP, {})["clipped"] is False
     assert same(small, kept)
 
 
@@ -105,7 +103,7 @@ def test_clip_per_layer_bounds_every_layer_by_its_rule(mode, rule):
     update = random_update()
     update["out.b"] *= 1e-6  # one layer far under its bound
     before = copy(update)
-    facts = ClipPerLayer(C, mode, rule).apply(update, "u", {})
+    facts = ClipPerLayer(C, mode, rule).apply(update, "u", STEP, {})
     assert facts["clipped"] is True
     assert torch.equal(facts["norms"], layer_norms(list(before.values())))
     after = layer_norms(list(update.values()))
@@ -120,7 +118,7 @@ def test_clip_per_layer_bounds_every_layer_by_its_rule(mode, rule):
 def test_measure_norms_leaves_the_update_alone():
     update = random_update()
     kept = copy(update)
-    facts = MeasureNorms().apply(update, "u", {})
+    facts = MeasureNorms().apply(update, "u", STEP, {})
     assert facts["clipped"] is False
     assert torch.equal(facts["norms"], layer_norms(list(kept.values())))
     assert same(update, kept)
@@ -131,15 +129,17 @@ def test_client_noise_has_std_c_sigma_sqrt_denominator_from_the_user_s_stream():
     noise = mechanism.per_user[-1]
     assert isinstance(noise, AddClientNoise)
     update = {"w": torch.zeros(400_000)}
-    assert noise.apply(update, "alice", {}) == {"largest": None}  # the sum checks every element
+    assert noise.apply(update, "alice", STEP, {}) == {
+        "largest": None
+    }  # the sum checks every element
     # The std estimate's relative standard error is 1/sqrt(2n) ~ 0.1%.
     assert float(update["w"].double().std()) == pytest.approx(C * SIGMA * math.sqrt(S), rel=0.01)
     generator = noise_generator(SEED, STEP, user="alice")
     expected = torch.randn(400_000, generator=generator) * (C * SIGMA * math.sqrt(S))
     torch.testing.assert_close(update["w"], expected, rtol=1e-6, atol=0)
     again, other = {"w": torch.zeros(400_000)}, {"w": torch.zeros(400_000)}
-    noise.apply(again, "alice", {})
-    noise.apply(other, "bob", {})
+    noise.apply(again, "alice", STEP, {})
+    noise.apply(other, "bob", STEP, {})
     assert torch.equal(again["w"], update["w"]) and not torch.allclose(other["w"], update["w"])
 
 
@@ -150,18 +150,15 @@ def test_client_noise_has_std_c_sigma_sqrt_denominator_from_the_user_s_stream():
 def test_server_noise_has_std_c_sigma_from_the_step_s_stream():
     (noise,) = steps_for(clipping="global").aggregate
     average = {"a": torch.zeros(200_000), "b": torch.zeros(200_000)}
-    noise.apply(average)
+    noise.apply(average, STEP)
     values = torch.cat(list(average.values())).double()
     assert float(values.std()) == pytest.approx(C * SIGMA, rel=0.01)
     assert abs(float(values.mean())) < 5 * C * SIGMA / math.sqrt(values.numel())
     again = {"a": torch.zeros(200_000), "b": torch.zeros(200_000)}
-    noise.apply(again)
+    noise.apply(again, STEP)
     assert same(again, average)  # keyed by (seed, step): a resumed run draws the same noise
-    (next_step,) = privacy_steps(
-        PrivacyRecipe(clipping="global"), SIGMA, C, S, UPDATE_BOUND, SEED, STEP + 1, "cpu"
-    ).aggregate
     moved = {"a": torch.zeros(200_000), "b": torch.zeros(200_000)}
-    next_step.apply(moved)
+    noise.apply(moved, STEP + 1)
     assert not torch.allclose(moved["a"], average["a"])
 
 
@@ -171,31 +168,31 @@ def test_adaptive_server_noise_is_c_t_sigma_delta_and_the_release_spends_the_res
     mechanism = steps_for(sigma_dp=SIGMA, clip_bound=bound, adaptive_clip=adaptive)
     (noise,) = mechanism.aggregate
     average = {"w": torch.zeros(400_000)}
-    noise.apply(average)
+    noise.apply(average, STEP)
     sigma_delta = update_noise(SIGMA, adaptive.bit_noise)
     assert sigma_delta > 1.3 * SIGMA  # the bits' share shows
     assert float(average["w"].double().std()) == pytest.approx(bound * sigma_delta, rel=0.01)
     release = mechanism.unclipped_fraction
     fractions = torch.tensor(
         [
-            ReleaseUnclippedFraction(adaptive.bit_noise, S, SEED, step).apply(12.0)
+            ReleaseUnclippedFraction(adaptive.bit_noise, S, SEED).apply(12.0, step)
             for step in range(2000)
         ],
         dtype=torch.float64,
     )
-    assert release == ReleaseUnclippedFraction(adaptive.bit_noise, S, SEED, STEP)
+    assert release == ReleaseUnclippedFraction(adaptive.bit_noise, S, SEED)
     assert float(fractions.mean()) == pytest.approx(
         12.0 / S, abs=4 * adaptive.bit_noise / math.sqrt(2000)
     )
     assert float(fractions.std()) == pytest.approx(adaptive.bit_noise, rel=0.05)
-    assert release.apply(12.0) == release.apply(12.0)  # keyed: a resume releases the same
+    assert release.apply(12.0, STEP) == release.apply(12.0, STEP)  # keyed: a resume draws the same
 
 
 def test_without_dp_the_adaptive_release_is_the_exact_fraction():
     adaptive = AdaptiveClip(target_quantile=0.5, lr=0.2, bit_noise=0.03)
     mechanism = steps_for(sigma_dp=0.0, adaptive_clip=adaptive)
     assert mechanism.aggregate == []
-    assert mechanism.unclipped_fraction.apply(12.0) == 12.0 / S
+    assert mechanism.unclipped_fraction.apply(12.0, STEP) == 12.0 / S
 
 
 # ----------------------------------------------------------------------------------------------
@@ -206,36 +203,40 @@ def test_the_factory_orders_the_steps_each_recipe_asks_for():
     client_std = C * SIGMA * math.sqrt(S)
     clip_global = [ZeroNonfinite(), ClipGlobal(C)]
     cases = [
-        ({"clipping": "none"}, 0.0, [ZeroNonfinite(), MeasureNorms()], [], UPDATE_BOUND),
-        ({"clipping": "global"}, 0.0, clip_global, [], C),
+        ({"clipping": "none"}, 0.0, [ZeroNonfinite(), MeasureNorms()], [], None, 0.0),
+        ({"clipping": "global"}, 0.0, clip_global, [], C, 0.0),
         (
             {"clipping": "global"},
             SIGMA,
             clip_global,
-            [AddServerNoise(C * SIGMA, SEED, STEP, "cpu")],
+            [AddServerNoise(C * SIGMA, SEED, "cpu")],
             C,
+            0.0,
         ),
         (
             {"perlayer_mode": "uniform", "perlayer_rule": "normalize"},
             SIGMA,
             [ZeroNonfinite(), ClipPerLayer(C, "uniform", "normalize")],
-            [AddServerNoise(C * SIGMA, SEED, STEP, "cpu")],
+            [AddServerNoise(C * SIGMA, SEED, "cpu")],
             C,
+            0.0,
         ),
         (
             {"clipping": "global", "noise_placement": "client"},
             SIGMA,
-            [*clip_global, AddClientNoise(client_std, SEED, STEP, "cpu")],
+            [*clip_global, AddClientNoise(client_std, SEED, "cpu")],
             [],
-            C + NOISE_HEADROOM * client_std,
+            C,
+            NOISE_HEADROOM * client_std,
         ),
-        ({"clipping": "global", "noise_placement": "client"}, 0.0, clip_global, [], C),
+        ({"clipping": "global", "noise_placement": "client"}, 0.0, clip_global, [], C, 0.0),
     ]
-    for privacy, sigma_dp, per_user, aggregate, max_abs in cases:
+    for privacy, sigma_dp, per_user, aggregate, bound, headroom in cases:
         mechanism = steps_for(sigma_dp, **privacy)
         assert mechanism.per_user == per_user, privacy
         assert mechanism.aggregate == aggregate, privacy
-        assert mechanism.max_abs == pytest.approx(max_abs, rel=1e-15), privacy
+        assert mechanism.bound == bound, privacy
+        assert mechanism.headroom == pytest.approx(headroom, rel=1e-15), privacy
         assert mechanism.client_noise == isinstance(per_user[-1], AddClientNoise)
         assert mechanism.unclipped_fraction is None
 
@@ -259,20 +260,20 @@ def test_the_factory_builds_every_mechanism_the_recipe_allows_and_refuses_nothin
             privacy = PrivacyRecipe(**fields)
         except ValidationError:
             continue
-        mechanism = privacy_steps(privacy, sigma_dp, C, S, UPDATE_BOUND, SEED, STEP, "cpu")
+        mechanism = privacy_steps(privacy, sigma_dp, C, S, SEED, "cpu")
         first, second, *rest = mechanism.per_user
         assert first == ZeroNonfinite()
         clip = {"none": MeasureNorms, "global": ClipGlobal, "perlayer": ClipPerLayer}[clipping]
         assert isinstance(second, clip)
         noisy = sigma_dp > 0
-        client_noise = AddClientNoise(C * SIGMA * math.sqrt(S), SEED, STEP, "cpu")
+        client_noise = AddClientNoise(C * SIGMA * math.sqrt(S), SEED, "cpu")
         assert rest == ([client_noise] if noisy and placement == "client" else [])
         assert len(mechanism.aggregate) == int(noisy and placement == "server")
         assert (mechanism.unclipped_fraction is None) == (adaptive is None)
         facts: dict = {}
         update = random_update()
         for step in mechanism.per_user:
-            facts |= step.apply(update, "u", facts)
+            facts |= step.apply(update, "u", STEP, facts)
         assert set(facts) == {"nonfinite", "norms", "clipped", "largest"}
         assert (facts["largest"] is None) == (noisy and placement == "client")
         built += 1

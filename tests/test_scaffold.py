@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_algorithm
+from conftest import make_algorithm, make_mechanism
 
 from pflbench.fl.aggregate import StepAggregator
 from pflbench.fl.algorithms.scaffold import PREFIX
@@ -130,7 +130,7 @@ def test_the_payload_is_clipped_as_one_update(tiny_task_data, clipping):
     like = dict(zip(names, scaffold.context.params, strict=True)) | scaffold.payload_like()
     bound = 1e-3
     privacy = PrivacyRecipe(clipping=clipping, perlayer_mode="dim", clip_bound=bound)
-    aggregator = StepAggregator(like, privacy, 0.0, len(clients), 10.0, 0, 1, "cpu")
+    aggregator = StepAggregator(like, make_mechanism(privacy, len(clients)), 1, 10.0)
     params = [p.detach() for p in model.parameters()]
     for user, result in trainer.train_group(params, clients, 1):
         aggregator.add(result.update, user, result.loss, result.local_steps, result.frames)

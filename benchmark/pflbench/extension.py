@@ -1,5 +1,6 @@
 """Extension points: a named registry per kind of pluggable method (corpora, server optimizers,
-accountants, client algorithms), which built-in modules and plug-ins (pflbench.plugins) fill.
+accountants, client algorithms, privacy mechanisms), which built-in modules and plug-ins
+(pflbench.plugins) fill.
 
 An `ExtensionPoint` is a dict from name to entry. Looking up a name it lacks raises a UserError
 that lists the known names; registering a name twice is refused, naming who registered it first.

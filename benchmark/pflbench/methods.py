@@ -1,10 +1,10 @@
 """The names a spec gives pluggable methods, checked against the registries that define them.
 
 Specs (pflbench.spec) are pure data and hold names only: a corpus, a server optimizer, an
-accountant, a client algorithm. Built-in modules and plug-ins (pflbench.plugins) register what the
-names mean (pflbench.extension.ExtensionPoint). This module sits above both, so that loading specs
-checks every name and an unknown one is an error that lists the known names, before anything
-runs.
+accountant, a client algorithm, a privacy mechanism. Built-in modules and plug-ins
+(pflbench.plugins) register what the names mean (pflbench.extension.ExtensionPoint). This module
+sits above both, so that loading specs checks every name and an unknown one is an error that
+lists the known names, before anything runs.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from pflbench.fl.algorithms import CLIENT_ALGORITHMS, check_client_recipe
 from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS
 from pflbench.privacy.accountants import calibrating
 from pflbench.privacy.example import EXAMPLE_ACCOUNTANTS
+from pflbench.privacy.mechanisms import PRIVACY_MECHANISMS, check_mechanism_recipe
 from pflbench.spec.models import Budget, Recipe, Task
 from pflbench.spec.registry import Registry, load_registry
 
@@ -35,8 +36,9 @@ def check_task(task: Task, where: str) -> None:
 
 
 def check_recipe(recipe: Recipe | dict[str, Any], where: str) -> None:
-    """The recipe's server optimizer and client algorithm are registered (a dict: a baseline's
-    partial overrides); a whole recipe also fits its client algorithm."""
+    """The recipe's server optimizer, client algorithm and privacy mechanism are registered (a
+    dict: a baseline's partial overrides); a whole recipe also fits its client algorithm and its
+    mechanism."""
     data = recipe.model_dump() if isinstance(recipe, Recipe) else recipe
     federated = data.get("federated", {})
     optimizer = federated.get("server", {}).get("optimizer")
@@ -45,9 +47,13 @@ def check_recipe(recipe: Recipe | dict[str, Any], where: str) -> None:
     algorithm = federated.get("client", {}).get("algorithm")
     if algorithm is not None and algorithm not in CLIENT_ALGORITHMS:
         _unknown(where, "client algorithm", algorithm, CLIENT_ALGORITHMS)
+    mechanism = data.get("privacy", {}).get("mechanism")
+    if mechanism is not None and mechanism not in PRIVACY_MECHANISMS:
+        _unknown(where, "privacy mechanism", mechanism, PRIVACY_MECHANISMS)
     if isinstance(recipe, Recipe):
         try:
             check_client_recipe(recipe.federated.client)
+            check_mechanism_recipe(recipe)
         except UserError as exc:
             raise UserError(f"{where}: {exc}") from None
 

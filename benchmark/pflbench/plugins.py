@@ -1,5 +1,6 @@
 """Plug-ins: code from outside pflbench that registers methods (client algorithms, server
-optimizers, accountants, corpora) in the extension points (pflbench.extension).
+optimizers, privacy mechanisms, accountants, corpora) in the extension points
+(pflbench.extension).
 
 A plug-in is a Python file or an importable module (a package: all its .py files), named by
 `--plugin PATH_OR_MODULE` (repeatable), by PFLBENCH_PLUGINS (os.pathsep-separated) or by an
@@ -28,6 +29,7 @@ from pflbench.extension import ExtensionPoint, registering_as
 from pflbench.fl.algorithms import CLIENT_ALGORITHMS
 from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS
 from pflbench.privacy.accountants import ACCOUNTANTS
+from pflbench.privacy.mechanisms import PRIVACY_MECHANISMS
 
 ENTRY_POINT_GROUP = "pflbench.plugins"
 ENV = "PFLBENCH_PLUGINS"
@@ -36,6 +38,7 @@ EXTENSION_POINTS: tuple[ExtensionPoint, ...] = (
     SERVER_OPTIMIZERS,
     ACCOUNTANTS,
     CLIENT_ALGORITHMS,
+    PRIVACY_MECHANISMS,
 )
 
 

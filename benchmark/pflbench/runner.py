@@ -231,7 +231,9 @@ def train_federated(p: Prepared) -> Outcome | None:
         privacy["payload"] = note
     if sim.audit is not None:
         params = dict(sim.model.named_parameters())
-        privacy["audit"] = sim.audit.finish(params, sim.step, privacy["simulated"])
+        privacy["audit"] = sim.audit.finish(
+            params, sim.mechanism.cohort, sim.step, privacy["simulated"]
+        )
     return Outcome(
         model=sim.model,
         final=final,

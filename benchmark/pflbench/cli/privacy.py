@@ -14,9 +14,10 @@ from pflbench.privacy.accountants import (
     ACCOUNTANTS,
     calibrate_noise,
     calibrating,
-    check_mechanism,
+    check_delta,
     compute_epsilon,
 )
+from pflbench.privacy.accounting import SampledGaussian, sampled_gaussian
 from pflbench.privacy.statement import check_scale, epsilon_entry, privacy_statement
 from pflbench.spec.models import PrivacyRecipe
 
@@ -64,8 +65,10 @@ def epsilon(
     """Epsilon of the Poisson-subsampled Gaussian mechanism composed T times (with `all`, an
     accountant that cannot compute it says why instead)."""
     names = accountant_names(accountant, allow_all=True)
-    check_mechanism(noise_multiplier, sampling_rate, steps, delta)
-    entries = [epsilon_entry(noise_multiplier, sampling_rate, steps, delta, n) for n in names]
+    mechanism = SampledGaussian(noise_multiplier, sampling_rate, steps)
+    mechanism.check()
+    check_delta(delta)
+    entries = [epsilon_entry(mechanism, delta, n) for n in names]
     if len(entries) == 1 and entries[0]["epsilon"] is None:
         raise UserError(entries[0]["error"])
     if json:
@@ -102,8 +105,8 @@ def noise(
     (name,) = accountant_names(accountant, allow_all=False)
     check_scale(cohort, population, steps)
     q = cohort / population
-    z = calibrate_noise(epsilon, q, steps, delta, name)
-    achieved = compute_epsilon(z, q, steps, delta, name)
+    z = calibrate_noise(epsilon, sampled_gaussian(q, steps), delta, name)
+    achieved = compute_epsilon(SampledGaussian(z, q, steps), delta, name)
     record = {
         "accountant": name,
         "target_epsilon": epsilon,

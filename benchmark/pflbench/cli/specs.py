@@ -70,6 +70,7 @@ def budget_privacy(budget) -> dict:
     """σ_DP and z of a budget, and ε at its extrapolated scale by every accountant (null where
     one cannot compute it)."""
     from pflbench.privacy.accountants import ACCOUNTANTS
+    from pflbench.privacy.accounting import SampledGaussian
     from pflbench.privacy.statement import budget_noise, epsilon_entry
 
     if not budget.dp:
@@ -84,8 +85,8 @@ def budget_privacy(budget) -> dict:
         }
     noise = budget_noise(budget)
     q = budget.cohort / budget.population
-    z, steps, delta = noise["noise_multiplier"], budget.steps, budget.delta
-    eps = {name: epsilon_entry(z, q, steps, delta, name)["epsilon"] for name in ACCOUNTANTS}
+    mechanism = SampledGaussian(noise["noise_multiplier"], q, budget.steps)
+    eps = {name: epsilon_entry(mechanism, budget.delta, name)["epsilon"] for name in ACCOUNTANTS}
     return {
         "dp": True,
         "noise_multiplier": noise["noise_multiplier"],

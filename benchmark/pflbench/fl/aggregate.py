@@ -1,17 +1,14 @@
 """Streaming aggregation of client updates for one central step.
 
-Per client: run the per-user privacy steps (privacy/steps.py: zero a non-finite update, clip it,
-add client-side noise if that placement is chosen) and add the result to an exact fixed-point
-sum. At the end of the step the sums are all-reduced across processes, divided by the expected
-cohort qK (Poisson) or S (fixed), and the aggregate steps run once (server-side noise
-N(0, (C·σ_DP)²)). With adaptive clipping C is the step's bound C_t, the update noise is C_t·σ_Δ,
-and the noised fraction of users within C_t is released for the next bound (privacy/adaptive.py).
-Client-side noise (std C·σ_DP·√S per user) gives the average std C·σ_DP only when exactly S users
-took part, so it needs fixed-size cohorts: the recipe refuses it with Poisson sampling, and
-`finish` refuses a step whose client count differs from the denominator. Memory is one sum buffer
-of the model's size, whatever the cohort; the fixed-point sum makes the result bitwise independent
-of client order and of the number of processes. The small stats tensor stays on the CPU (it is
-all-reduced over gloo, see fl.distributed).
+Per client: the run's privacy mechanism (privacy/mechanisms) constrains the update's sensitivity
+(zero a non-finite update, clip it to C_t, client-side noise if placed there) and the result goes
+into an exact fixed-point sum. At the end of the step the sums are all-reduced across processes,
+divided by the mechanism's denominator (the expected cohort), and the mechanism adds its noise
+once and releases what it releases beside the average (adaptive clipping's fraction of users
+within C_t). The aggregator itself keeps only the exact sum and named statistics. Memory is one
+sum buffer of the model's size, whatever the cohort; the fixed-point sum makes the result bitwise
+independent of client order and of the number of processes. The small stats tensor stays on the
+CPU (it is all-reduced over gloo, see fl.distributed).
 """
 
 from __future__ import annotations
@@ -22,8 +19,7 @@ import torch
 
 from pflbench.fl.distributed import all_reduce_sum
 from pflbench.privacy.aggregate import ExactSum
-from pflbench.privacy.steps import privacy_steps
-from pflbench.spec.models import PrivacyRecipe
+from pflbench.privacy.mechanisms import PrivacyMechanism
 
 HEAD = 7  # per-step counters ahead of the per-layer norm sums in the stats tensor
 
@@ -34,24 +30,16 @@ class StepAggregator:
     def __init__(
         self,
         like: dict[str, torch.Tensor],
-        privacy: PrivacyRecipe,
-        sigma_dp: float,
-        denominator: float,
-        update_bound: float,
-        seed: int,
+        mechanism: PrivacyMechanism,
         step: int,
-        device: str,
-        clip_bound: float | None = None,
+        update_bound: float,
     ):
-        """`clip_bound`: this step's bound C_t under adaptive clipping (else the recipe's C)."""
+        """`update_bound`: the largest element of an unclipped update (or payload)."""
         self.like = like
         self.names = list(like)
-        self.denominator = denominator
-        self.bound = privacy.clip_bound if clip_bound is None else clip_bound
-        self.mechanism = privacy_steps(
-            privacy, sigma_dp, self.bound, denominator, update_bound, seed, step, device
-        )
-        self.sum = ExactSum(like, max_abs=self.mechanism.max_abs)
+        self.mechanism, self.step = mechanism, step
+        self.bound = mechanism.clip_bound  # C_t
+        self.sum = ExactSum(like, max_abs=mechanism.largest_element(update_bound))
         num_layers = len(self.names)
         # clients, non-finite, clipped, loss sum, local steps, frames, within the bound, then
         # Σ‖Δ_h‖ and Σ‖Δ_h‖².
@@ -67,8 +55,8 @@ class StepAggregator:
         norms = facts["norms"].double().cpu()
         nonfinite = facts["nonfinite"]
         loss = 0.0 if nonfinite else loss
-        within = _within(norms, self.bound)  # the adaptive bit
-        head = [1.0, float(nonfinite), float(facts["clipped"]), loss, steps, frames, float(within)]
+        within = float(facts["within"])  # the adaptive bit
+        head = [1.0, float(nonfinite), float(facts["clipped"]), loss, steps, frames, within]
         self.stats += torch.cat([torch.tensor(head, dtype=torch.float64), norms, norms**2])
 
     def add_canary(self, update: dict[str, torch.Tensor], user: str) -> None:
@@ -80,42 +68,31 @@ class StepAggregator:
         }
         facts = self._fold(update, user)
         self.canaries += 1
-        self.stats[6] += float(_within(facts["norms"].double().cpu(), self.bound))
+        self.stats[6] += float(facts["within"])
 
     def _fold(self, update: dict[str, torch.Tensor], user: str) -> dict:
-        """Run the per-user privacy steps and add the result to the exact sum; returns what the
-        steps saw (privacy/steps.py)."""
-        facts: dict = {}
+        """Constrain the update's sensitivity and add the result to the exact sum; returns what
+        the mechanism saw of it (privacy/steps.py)."""
         started = time.perf_counter()
-        for user_step in self.mechanism.per_user:
-            facts |= user_step.apply(update, user, facts)
+        facts = self.mechanism.constrain_sensitivity(update, user, self.step)
         self.sum.add(update, largest=facts.get("largest"))
         self.seconds += time.perf_counter() - started
         return facts
 
     def finish(self) -> tuple[list[torch.Tensor], dict]:
-        """All-reduce, average, run the aggregate privacy steps; returns (pseudo-gradient per
-        tensor, stats)."""
+        """All-reduce, average, noise; returns (pseudo-gradient per tensor, stats). The
+        mechanism's releases beside the average join the stats (and move its C_t)."""
         all_reduce_sum(self.sum.buffers())
         all_reduce_sum([self.stats, self.canaries])
-        clients = float(self.stats[0] + self.canaries[0])
-        if self.mechanism.client_noise and clients != self.denominator:
-            raise ValueError(
-                f"client-side noise needs exactly {self.denominator:g} clients per step (then the"
-                f" average's noise std is C·σ_DP), got {clients:g}: use fixed-size cohorts"
-            )
+        mechanism = self.mechanism
+        mechanism.check_clients(float(self.stats[0] + self.canaries[0]))
         averaged = self.sum.result(torch.float32)
-        grads = [averaged[n].div_(self.denominator) for n in self.names]
+        grads = [averaged[n].div_(mechanism.denominator) for n in self.names]
         # With client-side noise the noiseless average never exists anywhere.
-        norm_before = None if self.mechanism.client_noise else _global_norm(grads)
-        for aggregate_step in self.mechanism.aggregate:
-            aggregate_step.apply(averaged)  # in place: its tensors are `grads`
+        norm_before = None if mechanism.client_noise else _global_norm(grads)
+        mechanism.add_noise(averaged, self.step)  # in place: its tensors are `grads`
         report = self._report(norm_before, _global_norm(grads))
-        release = self.mechanism.unclipped_fraction
-        if release is not None:
-            report["clip_bound"] = self.bound
-            # DP-released: the next bound is computed from it.
-            report["unclipped_fraction"] = release.apply(float(self.stats[6]))
+        report |= mechanism.end_step(float(self.stats[6]), self.step)
         return grads, report
 
     def _report(self, norm_before: float | None, norm_after: float) -> dict:
@@ -140,10 +117,6 @@ class StepAggregator:
                 "update_norm_after_noise": norm_after,
             },
         }
-
-
-def _within(norms: torch.Tensor, bound: float) -> bool:
-    return float(torch.linalg.vector_norm(norms)) <= bound
 
 
 def _global_norm(tensors: list[torch.Tensor]) -> float:

@@ -1,18 +1,22 @@
 """The federated round (paper Algorithm 1 with user-level DP), one central step at a time.
 
-    cohort  = sample_cohort(K, S, seed, t)                 # Poisson q = S/K, or fixed S
+    cohort  = mechanism.cohort(t)                          # Poisson q = S/K, or fixed S, or
+                                                           # the mechanism's own participation
     mine    = assign_users(cohort, world)[rank]            # balanced by expected local work
     for user in mine:                                      # data prefetched in the background
         Δ, extra = local_sgd(θ, data(user), t, user)       # θ − θ_local (fl.local_update), and
                                                            # the algorithm's payload (fl.algorithms)
                                                            # (or G users at once: fl.parallel)
         agg.add(Δ ⊕ extra)                                 # zero-if-NaN, clip, (noise), exact sum
-    g ⊕ ḡ = agg.finish()                                   # all-reduce, /qK, + N(0, (Cσ_DP)²)
+    g ⊕ ḡ = agg.finish()                                   # all-reduce, /qK, + the mechanism's
+                                                           # noise, e.g. N(0, (Cσ_DP)²)
     θ = server.step(θ, g, lr(t))                           # LAMB by default
     algorithm.server_step(ḡ)                               # e.g. SCAFFOLD's control variate
 
-Every random choice is keyed by (seed, t, user), so the state to resume from is the model, the
-server optimizer, the algorithm's state (the server's, and each user's: fl.user_state) and t.
+The privacy mechanism (privacy/mechanisms, built once per run) decides who takes part, clips and
+noises. Every random choice is keyed by (seed, t, user), so the state to resume from is the model,
+the server optimizer, the algorithm's state (the server's, and each user's: fl.user_state), the
+mechanism's (C_t, a correlated noise's history) and t.
 """
 
 from __future__ import annotations
@@ -35,9 +39,8 @@ from pflbench.fl.distributed import DistContext, assign_users, barrier
 from pflbench.fl.parallel import ParallelClientTrainer
 from pflbench.fl.server import ServerOptimizer, exponential_decay_lr
 from pflbench.fl.user_state import UserStateStore
-from pflbench.privacy.adaptive import next_clip_bound
 from pflbench.privacy.audit import CanaryAudit
-from pflbench.privacy.sampling import expected_cohort, sample_cohort
+from pflbench.privacy.mechanisms import PRIVACY_MECHANISMS, MechanismContext
 from pflbench.spec.models import Recipe
 
 PREFETCH_DEPTH = 2  # users whose data loads while the current one trains
@@ -75,8 +78,9 @@ def update_bound(algorithm: ClientAlgorithm, max_user_utterances: int) -> float:
 
 
 class Simulator:
-    """Owns the global model's trained tensors, the client algorithm and trainer, and the server
-    optimizer. `user_state_dir` keeps the users' algorithm state (a temporary folder if None)."""
+    """Owns the global model's trained tensors, the privacy mechanism, the client algorithm and
+    trainer, and the server optimizer. `user_state_dir` keeps the users' algorithm state (a
+    temporary folder if None)."""
 
     def __init__(
         self,
@@ -92,8 +96,8 @@ class Simulator:
         user_state_dir: Path | None = None,
     ):
         self.model = model.to(device)
-        self.store, self.recipe, self.sigma_dp = store, recipe, sigma_dp
-        self.seed, self.device, self.ctx = seed, device, ctx
+        self.store, self.recipe = store, recipe
+        self.device, self.ctx = device, ctx
         named = dict(model.named_parameters())
         self.names = list(trained) if trained is not None else list(named)
         self.params = [named[n].data for n in self.names]
@@ -108,10 +112,8 @@ class Simulator:
             trained = dict(zip(self.names, self.params, strict=True))
             self.audit = CanaryAudit(recipe, seed, trained, self.users)
             self.population = self.users + self.audit.ids
-        self.denominator = (
-            expected_cohort(len(self.population), fed.cohort_size)
-            if fed.sampling == "poisson"
-            else min(fed.cohort_size, len(self.population))
+        self.mechanism = PRIVACY_MECHANISMS[recipe.privacy.mechanism](
+            recipe, MechanismContext(self.population, sigma_dp, seed, device)
         )
         if user_state_dir is None:
             self._user_state_tmp = tempfile.TemporaryDirectory(prefix="pflbench-user-state-")
@@ -122,7 +124,7 @@ class Simulator:
             seed=seed,
             device=device,
             user_states=UserStateStore(user_state_dir),
-            sampling_rate=self.denominator / len(self.population),
+            sampling_rate=self.mechanism.denominator / len(self.population),
         )
         self.algorithm = CLIENT_ALGORITHMS[fed.client.algorithm](fed.client, context)
         client_args = (model, self.names, self.algorithm, recipe.spec_augment, seed, device)
@@ -144,33 +146,20 @@ class Simulator:
         self.payload_like = dict(zip(self.names, self.params, strict=True))
         self.payload_like |= self.algorithm.payload_like()
         self.payload_names = list(self.payload_like)[len(self.names) :]  # beside Δ
-        self.clip_bound = recipe.privacy.clip_bound  # C_t: moves under adaptive clipping
         self.step = 0
         self.aggregation_seconds = 0.0  # per-user privacy steps and exact sum (`bench fl`)
 
     def my_users(self, step: int) -> list[str]:
         """This process's share of step `step`'s cohort."""
-        fed = self.recipe.federated
         population = self.population
-        cohort = sample_cohort(len(population), fed.cohort_size, fed.sampling, self.seed, step)
-        cohort_list = cohort.tolist()
+        cohort_list = self.mechanism.cohort(step).tolist()
         shares = assign_users([self.work[i] for i in cohort_list], self.ctx.world_size)
         return [population[cohort_list[i]] for i in shares[self.ctx.rank]]
 
     def run_step(self) -> dict:
         """One central step; returns its stats (identical on every rank)."""
         step = self.step
-        aggregator = StepAggregator(
-            self.payload_like,
-            self.recipe.privacy,
-            self.sigma_dp,
-            self.denominator,
-            self.update_bound,
-            self.seed,
-            step,
-            self.device,
-            self.clip_bound,
-        )
+        aggregator = StepAggregator(self.payload_like, self.mechanism, step, self.update_bound)
         mine = self.my_users(step)
         if self.audit is not None:
             mine = self.audit.fold_in(aggregator, mine)
@@ -185,11 +174,6 @@ class Simulator:
         self.server.step(averaged[: len(self.names)], lr)
         beside = averaged[len(self.names) :]
         self.algorithm.server_step(dict(zip(self.payload_names, beside, strict=True)))
-        adaptive = self.recipe.privacy.adaptive_clip
-        if adaptive is not None:
-            self.clip_bound = next_clip_bound(
-                self.clip_bound, stats["unclipped_fraction"], adaptive.target_quantile, adaptive.lr
-            )
         self.step += 1
         return {"step": step, "lr": lr, **stats}
 
@@ -201,8 +185,8 @@ class Simulator:
         tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}
         tensors.update({f"server.{k}": v for k, v in self.server.state_dict().items()})
         tensors.update({f"algorithm.{k}": v for k, v in self.algorithm.state_dict().items()})
+        tensors.update({f"mechanism.{k}": v for k, v in self.mechanism.state_dict().items()})
         tensors["step"] = torch.tensor(self.step, dtype=torch.int64)
-        tensors["clip_bound"] = torch.tensor(self.clip_bound, dtype=torch.float64)
         return tensors
 
     def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
@@ -214,8 +198,9 @@ class Simulator:
         if self.ctx.is_main:
             self.algorithm.context.user_states.rewind(self.step)
         barrier(self.ctx)
-        if "clip_bound" in tensors:  # checkpoints before adaptive clipping: the recipe's bound
-            self.clip_bound = float(tensors["clip_bound"])
+        # Checkpoints from before the mechanism kept its own state hold C_t at the top level.
+        legacy = {"clip_bound": tensors["clip_bound"]} if "clip_bound" in tensors else {}
+        self.mechanism.load_state_dict(_under("mechanism.", tensors) or legacy)
         # Frozen tensors live in the client's copy too; keep it in sync with the global model.
         self.client.load_frozen(self.model)
 

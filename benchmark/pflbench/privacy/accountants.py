@@ -14,11 +14,13 @@ ACCOUNTANTS (here, or from a plug-in: pflbench.plugins) and its test.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import replace
 
 from pflbench.errors import UserError
 from pflbench.extension import ExtensionPoint
 from pflbench.privacy import pld, prv, rdp
-from pflbench.privacy.accounting import Accountant, EpsilonResult
+from pflbench.privacy.accounting import Accountant, EpsilonResult, MechanismDescription
 
 ACCOUNTANTS = ExtensionPoint(
     "accountant", ((a.name, a) for a in (rdp.ACCOUNTANT, pld.ACCOUNTANT, prv.ACCOUNTANT))
@@ -34,16 +36,7 @@ def calibrating() -> tuple[str, ...]:
 Z_MIN, Z_MAX, Z_RTOL = 1e-6, 1e4, 1e-4
 
 
-def check_mechanism(
-    noise_multiplier: float, sampling_rate: float, steps: int, delta: float
-) -> None:
-    """UserError naming the first invalid parameter."""
-    if not (noise_multiplier > 0 and math.isfinite(noise_multiplier)):
-        raise UserError(f"noise multiplier must be finite and > 0, got {noise_multiplier}")
-    if not 0 < sampling_rate <= 1:
-        raise UserError(f"sampling rate q must be in (0, 1], got {sampling_rate}")
-    if int(steps) != steps or steps < 1:
-        raise UserError(f"steps must be an integer >= 1, got {steps}")
+def check_delta(delta: float) -> None:
     if not 0 < delta < 1:
         raise UserError(f"delta must be in (0, 1), got {delta}")
 
@@ -59,16 +52,23 @@ def get_accountant(name: str, calibrating_only: bool = False) -> Accountant:
 
 
 def compute_epsilon(
-    noise_multiplier: float,
-    sampling_rate: float,
-    steps: int,
-    delta: float,
-    accountant: str = "rdp",
+    mechanism: MechanismDescription, delta: float, accountant: str = "rdp"
 ) -> EpsilonResult:
-    """Epsilon of T-fold Poisson(q)-subsampled Gaussian(z) at delta. Results are cached."""
-    check_mechanism(noise_multiplier, sampling_rate, steps, delta)
-    epsilon = get_accountant(accountant).epsilon
-    return epsilon(float(noise_multiplier), float(sampling_rate), int(steps), float(delta))
+    """Epsilon of the described mechanism at delta by `accountant` (results are cached). A
+    description the accountant does not analyse is first reduced to one it does; the result's
+    details then say from what and by which theorem."""
+    mechanism.check()
+    check_delta(delta)
+    chosen = get_accountant(accountant)
+    analysed = mechanism
+    while not isinstance(analysed, chosen.analyses):
+        analysed = analysed.reduced()
+        if analysed is None:
+            raise UserError(f"the {accountant} accountant cannot analyse a {mechanism.kind}")
+    result = chosen.epsilon(analysed, float(delta))
+    if analysed is mechanism:
+        return result
+    return replace(result, details={**result.details, "reduced_from": mechanism.record()})
 
 
 def clear_cache() -> None:
@@ -78,29 +78,29 @@ def clear_cache() -> None:
 
 def calibrate_noise(
     target_epsilon: float,
-    sampling_rate: float,
-    steps: int,
+    mechanism: Callable[[float], MechanismDescription],
     delta: float,
     accountant: str = "rdp",
 ) -> float:
-    """Smallest noise multiplier z (to relative tolerance Z_RTOL) with epsilon(z) <= target.
+    """Smallest noise multiplier z (to relative tolerance Z_RTOL) with epsilon(mechanism(z)) <=
+    target, for a family of descriptions `mechanism(z)` whose epsilon falls as z grows.
 
     Bisection in log z; the returned z is always one whose epsilon was computed and found
     <= target by `compute_epsilon` itself.
     """
     if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise UserError(f"target epsilon must be finite and > 0, got {target_epsilon}")
-    check_mechanism(1.0, sampling_rate, steps, delta)
+    mechanism(1.0).check()
+    check_delta(delta)
     get_accountant(accountant, calibrating_only=True)
 
     def fits(z: float) -> bool:
-        epsilon = compute_epsilon(z, sampling_rate, steps, delta, accountant).epsilon
-        return epsilon <= target_epsilon
+        return compute_epsilon(mechanism(z), delta, accountant).epsilon <= target_epsilon
 
     # The others are at most the RDP epsilon, so the RDP answer brackets theirs from above.
     hi = 1.0
     if accountant != "rdp":
-        hi = calibrate_noise(target_epsilon, sampling_rate, steps, delta, "rdp")
+        hi = calibrate_noise(target_epsilon, mechanism, delta, "rdp")
     lo = hi
     if fits(hi):
         while lo > Z_MIN and fits(lo):
@@ -108,9 +108,10 @@ def calibrate_noise(
     else:
         while not fits(hi):
             if hi >= Z_MAX:
+                described = mechanism(hi)
                 raise UserError(
                     f"epsilon {target_epsilon} at delta {delta} needs a noise multiplier above"
-                    f" {Z_MAX:g} (q={sampling_rate}, T={steps})"
+                    f" {Z_MAX:g} (q={described.sampling_rate}, T={described.steps})"
                 )
             lo, hi = hi, hi * 2
     while hi / lo - 1 > Z_RTOL:

@@ -22,7 +22,7 @@ mismatch alone gives ε ≈ 3 for identical means).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -31,7 +31,6 @@ from torch import Tensor
 
 from pflbench.errors import UserError
 from pflbench.privacy.clipping import layer_bounds
-from pflbench.privacy.sampling import sample_cohort
 from pflbench.seeds import keyed_generator
 from pflbench.spec.models import Recipe
 
@@ -129,14 +128,13 @@ class CanaryAudit:
                 aggregator.add_canary(self.update(self.index[user], aggregator.bound), user)
         return [u for u in users if u not in self.index]
 
-    def participations(self, steps: int) -> np.ndarray:
-        """How often each inserted canary was sampled in `steps` central steps."""
-        fed = self.recipe.federated
-        population = self.real_users + self.count
+    def participations(self, cohort: Callable[[int], Tensor], steps: int) -> np.ndarray:
+        """How often each inserted canary was sampled in `steps` central steps; `cohort(t)`: the
+        mechanism's cohort of step t (indices into the users, then the canaries)."""
         counts = np.zeros(self.count, dtype=np.int64)
         for step in range(steps):
-            cohort = sample_cohort(population, fed.cohort_size, fed.sampling, self.seed, step)
-            np.add.at(counts, cohort[cohort >= self.real_users].numpy() - self.real_users, 1)
+            sampled = cohort(step)
+            np.add.at(counts, sampled[sampled >= self.real_users].numpy() - self.real_users, 1)
         return counts
 
     def cosines(self, params: dict[str, Tensor]) -> tuple[np.ndarray, np.ndarray]:
@@ -145,12 +143,19 @@ class CanaryAudit:
         values = [canary_cosine(delta, self.update(j)) for j in range(2 * self.count)]
         return np.array(values[: self.count]), np.array(values[self.count :])
 
-    def finish(self, params: dict[str, Tensor], steps: int, simulated: dict) -> dict:
-        """The audit record (privacy.audit) next to the accountants' ε at the simulated scale."""
+    def finish(
+        self,
+        params: dict[str, Tensor],
+        cohort: Callable[[int], Tensor],
+        steps: int,
+        simulated: dict,
+    ) -> dict:
+        """The audit record (privacy.audit) next to the accountants' ε at the simulated scale;
+        `cohort(t)`: the mechanism's cohort of step t."""
         inserted, held_out = self.cosines(params)
         delta = simulated["delta"]
         mu = gdp_mu(inserted, held_out)
-        counts = self.participations(steps)
+        counts = self.participations(cohort, steps)
         accountant = {
             name: (claim or {}).get("epsilon") for name, claim in simulated["epsilon"].items()
         }

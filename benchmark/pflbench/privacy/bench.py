@@ -12,6 +12,7 @@ from pflbench.privacy.accountants import (
     clear_cache,
     compute_epsilon,
 )
+from pflbench.privacy.accounting import SampledGaussian, sampled_gaussian
 
 
 def bench_privacy() -> dict:
@@ -25,14 +26,14 @@ def bench_privacy() -> dict:
     for name in ACCOUNTANTS:
         clear_cache()
         start = time.perf_counter()
-        result = compute_epsilon(z, q, steps, delta, name)
+        result = compute_epsilon(SampledGaussian(z, q, steps), delta, name)
         times[f"epsilon_{name}_s"] = time.perf_counter() - start
         times[f"epsilon_{name}"] = result.epsilon
         times[f"epsilon_{name}_how"] = ACCOUNTANTS[name].summary(result.details)
     for name in calibrating():
         clear_cache()
         start = time.perf_counter()
-        times[f"calibrate_{name}_z"] = calibrate_noise(7.2, q, steps, delta, name)
+        times[f"calibrate_{name}_z"] = calibrate_noise(7.2, sampled_gaussian(q, steps), delta, name)
         times[f"calibrate_{name}_s"] = time.perf_counter() - start
     return {
         "mechanism": {"noise_multiplier": z, "sampling_rate": q, "steps": steps, "delta": delta},

@@ -21,8 +21,8 @@ from dataclasses import asdict
 from importlib.metadata import version
 
 from pflbench.errors import UserError
-from pflbench.privacy.accountants import check_mechanism
-from pflbench.privacy.accounting import EpsilonResult
+from pflbench.privacy import accountants
+from pflbench.privacy.accounting import EpsilonResult, SampledGaussian
 from pflbench.privacy.sampling import sampling_rate
 from pflbench.spec.models import Budget, ExampleDPRecipe, Recipe
 
@@ -62,7 +62,8 @@ def example_epsilon(
     from opacus.accountants import create_accountant
 
     mechanism = check_example_accountant(accountant)
-    check_mechanism(noise_multiplier, q, steps, delta)
+    SampledGaussian(noise_multiplier, q, steps).check()
+    accountants.check_delta(delta)
     counter = create_accountant(mechanism)
     counter.history = [(float(noise_multiplier), float(q), int(steps))]
     order = None
@@ -100,7 +101,8 @@ def example_noise_multiplier(budget: Budget, q: float, steps: int) -> float:
     from opacus.accountants.utils import get_noise_multiplier
 
     mechanism = check_example_accountant(budget.accountant)
-    check_mechanism(1.0, q, steps, budget.delta)
+    SampledGaussian(1.0, q, steps).check()
+    accountants.check_delta(budget.delta)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")

@@ -8,7 +8,7 @@ import functools
 from importlib.metadata import version
 
 from pflbench.privacy import rdp
-from pflbench.privacy.accounting import Accountant, EpsilonResult
+from pflbench.privacy.accounting import Accountant, EpsilonResult, SampledGaussian
 
 LIBRARY = "dp_accounting"
 
@@ -29,12 +29,13 @@ def pld_interval(rdp_epsilon: float) -> float:
 
 
 @functools.lru_cache(maxsize=4096)
-def epsilon(z: float, q: float, steps: int, delta: float) -> EpsilonResult:
+def epsilon(mechanism: SampledGaussian, delta: float) -> EpsilonResult:
     import dp_accounting
     from dp_accounting import pld
 
+    z, q, steps = mechanism.noise_multiplier, mechanism.sampling_rate, mechanism.steps
     rdp_epsilon = rdp.epsilon_at_most(
-        PLD_MAX_RDP_EPSILON, z, q, steps, delta,
+        PLD_MAX_RDP_EPSILON, mechanism, delta,
         "PLD accountant not run: epsilon is astronomically large, beyond what its discretized"
         " grid can represent",
     )  # fmt: skip

@@ -26,7 +26,7 @@ import numpy as np
 
 from pflbench.errors import UserError
 from pflbench.privacy import rdp
-from pflbench.privacy.accounting import Accountant, EpsilonResult
+from pflbench.privacy.accounting import Accountant, EpsilonResult, SampledGaussian
 
 LIBRARY = "prv_accountant"
 PRV_EPS_ERROR = 0.01
@@ -57,9 +57,10 @@ def prv_bounds(z: float, q: float, steps: int, delta: float, error: float) -> tu
 
 
 @functools.lru_cache(maxsize=4096)
-def epsilon(z: float, q: float, steps: int, delta: float) -> EpsilonResult:
+def epsilon(mechanism: SampledGaussian, delta: float) -> EpsilonResult:
+    z, q, steps = mechanism.noise_multiplier, mechanism.sampling_rate, mechanism.steps
     rdp_epsilon = rdp.epsilon_at_most(
-        PRV_MAX_RDP_EPSILON, z, q, steps, delta,
+        PRV_MAX_RDP_EPSILON, mechanism, delta,
         "PRV accountant not run: epsilon is very large, beyond what its privacy loss grid"
         " handles well",
     )  # fmt: skip

@@ -13,7 +13,7 @@ from importlib.metadata import version
 import numpy as np
 
 from pflbench.errors import UserError
-from pflbench.privacy.accounting import Accountant, EpsilonResult
+from pflbench.privacy.accounting import Accountant, EpsilonResult, SampledGaussian
 
 LIBRARY = "opacus"
 
@@ -40,7 +40,8 @@ def rdp_epsilon(
 
 
 @functools.lru_cache(maxsize=4096)
-def epsilon(z: float, q: float, steps: int, delta: float) -> EpsilonResult:
+def epsilon(mechanism: SampledGaussian, delta: float) -> EpsilonResult:
+    z, q, steps = mechanism.noise_multiplier, mechanism.sampling_rate, mechanism.steps
     eps, order = rdp_epsilon(z, q, steps, delta)
     return EpsilonResult(
         accountant="rdp",
@@ -76,12 +77,10 @@ ACCOUNTANT = Accountant(
 )
 
 
-def epsilon_at_most(
-    limit: float, z: float, q: float, steps: int, delta: float, refusal: str
-) -> float:
+def epsilon_at_most(limit: float, mechanism: SampledGaussian, delta: float, refusal: str) -> float:
     """The RDP epsilon (an upper bound on the tighter accountants'), or a UserError `refusal`
     when it exceeds `limit`: the grid-based accountants cannot represent such epsilons."""
-    rdp_epsilon = epsilon(z, q, steps, delta).epsilon
+    rdp_epsilon = epsilon(mechanism, delta).epsilon
     if not rdp_epsilon <= limit:
         raise UserError(
             f"{refusal} (RDP gives {rdp_epsilon:.3g} > {limit:g}); use the rdp accountant"

@@ -11,8 +11,13 @@ from pflbench.errors import UserError
 from pflbench.privacy.accountants import compute_epsilon
 from pflbench.privacy.audit import check_audit
 from pflbench.privacy.example import check_budget_unit, check_example_recipe
-from pflbench.privacy.sampling import sampling_rate
-from pflbench.privacy.statement import budget_noise, check_steps_within_budget, privacy_statement
+from pflbench.privacy.mechanisms import check_mechanism_recipe
+from pflbench.privacy.statement import (
+    budget_noise,
+    check_steps_within_budget,
+    described_at_scale,
+    privacy_statement,
+)
 from pflbench.spec.models import RunConfig
 
 DEFAULT_DELTA = 1e-9  # δ for the simulated-scale statement of runs without a DP budget
@@ -27,8 +32,9 @@ NO_FL_PRIVACY = {
 
 def check_run_privacy(config: RunConfig) -> None:
     """Refuse runs a DP budget cannot cover: DP noise is calibrated to a clipping bound (so the
-    baseline must clip), and to the budget's T (so the run may not take more central steps);
-    the central and seed-only rows have no DP mechanism at all; a budget's unit (user or
+    baseline must clip), to the budget's T (so the run may not take more central steps) and to
+    the run's privacy mechanism (which must fit the recipe and be accountable at the budget's
+    scale); the central and seed-only rows have no DP mechanism at all; a budget's unit (user or
     example) must be its training's."""
     training = config.recipe.training
     check_example_recipe(config.recipe)
@@ -41,6 +47,7 @@ def check_run_privacy(config: RunConfig) -> None:
             f" row, so budget {config.budget.name!r} cannot be met; use --budget none"
         )
     check_audit(config.recipe)
+    check_mechanism_recipe(config.recipe)
     if config.budget.dp and config.recipe.privacy.clipping == "none":
         raise UserError(
             f"baseline {config.baseline.name!r} does not clip client updates "
@@ -48,21 +55,25 @@ def check_run_privacy(config: RunConfig) -> None:
             "use --budget none or a clipping baseline"
         )
     steps = config.recipe.federated.central_steps
-    check_steps_within_budget(steps, config.budget, "federated.central_steps")
+    privacy = config.recipe.privacy
+    check_steps_within_budget(steps, config.budget, "federated.central_steps", privacy)
+    # The mechanism's noise for the budget: refused now where the mechanism cannot be accounted at
+    # the budget's scale (BandMF with more bands than the extrapolated population allows).
+    budget_noise(config.budget, privacy)
 
 
 def run_sigma_dp(config: RunConfig) -> float:
-    """σ_DP of the run: the budget's (0 without DP)."""
-    return float(budget_noise(config.budget)["sigma_dp"])
+    """σ_DP of the run: the budget's for its mechanism (0 without DP)."""
+    return float(budget_noise(config.budget, config.recipe.privacy)["sigma_dp"])
 
 
 def epsilon_so_far(config: RunConfig, sigma_dp: float, population: int, steps: int) -> float | None:
     """ε by RDP at the simulated scale after `steps` central steps (None without noise)."""
     if sigma_dp == 0 or steps == 0:
         return None
-    q = sampling_rate(population, config.recipe.federated.cohort_size)
-    delta = config.budget.delta or DEFAULT_DELTA
-    return compute_epsilon(sigma_dp * q * population, q, steps, delta, "rdp").epsilon
+    cohort = min(config.recipe.federated.cohort_size, population)
+    described = described_at_scale(config.recipe.privacy, sigma_dp, cohort, population, steps)
+    return compute_epsilon(described, config.budget.delta or DEFAULT_DELTA, "rdp").epsilon
 
 
 def privacy_claim(config: RunConfig, sigma_dp: float, population: int) -> dict:
@@ -80,6 +91,7 @@ def privacy_claim(config: RunConfig, sigma_dp: float, population: int) -> dict:
         sampling=fed.sampling,
         budget=config.budget if config.budget.dp else None,
         pseudo_users=config.task.federated_data.iid,
+        privacy=config.recipe.privacy,
     )
     adaptive = config.recipe.privacy.adaptive_clip
     if adaptive is not None:

@@ -7,6 +7,10 @@ budget's noise is sigma_dp = z / S_ext. A run trains at its own (K, S, T <= T_ex
 sigma_dp; its statement gives epsilon at the simulated scale (z = sigma_dp * S, honest and
 usually huge) and at the budget's extrapolated scale (z = sigma_dp * S_ext, McMahan et al. 2018).
 A run with more central steps than T_ext is refused: the budget's epsilon would not hold for it.
+
+The privacy mechanism (privacy/mechanisms, `privacy.mechanism`) says how it is accounted at a
+scale (`describe`: the description the accountants analyse) and in what words; the Gaussian
+mechanism's description is the Poisson-subsampled Gaussian with z = sigma_dp * S, q = S/K.
 """
 
 from __future__ import annotations
@@ -23,21 +27,33 @@ from pflbench.privacy.accountants import (
     compute_epsilon,
     get_accountant,
 )
-from pflbench.spec.models import Budget
+from pflbench.privacy.accounting import MechanismDescription
+from pflbench.privacy.mechanisms import mechanism_class
+from pflbench.spec.models import Budget, PrivacyRecipe
 
-MECHANISM = (
-    "{unit}-level DP: each sampled {unit}'s update clipped to L2 norm C, Gaussian noise of std"
-    " C*sigma_dp on the average (sum divided by the expected cohort qK); Poisson-subsampled"
-    " Gaussian mechanism with noise multiplier z = sigma_dp*qK, composed over T central steps"
-)
+GAUSSIAN = PrivacyRecipe()  # the privacy recipe of statements that name no mechanism
 
 
-def budget_noise(budget: Budget) -> dict:
-    """The noise a budget prescribes: z calibrated at its extrapolated scale, sigma_dp = z/S_ext."""
+def budget_described(
+    budget: Budget, privacy: PrivacyRecipe, noise_multiplier: float, steps: int
+) -> MechanismDescription:
+    """The mechanism `privacy` names at the budget's extrapolated scale, run for `steps` steps."""
+    return mechanism_class(privacy).describe(
+        privacy, noise_multiplier, budget.population, budget.cohort, steps
+    )
+
+
+def budget_noise(budget: Budget, privacy: PrivacyRecipe = GAUSSIAN) -> dict:
+    """The noise a budget prescribes to the mechanism `privacy` names: z calibrated at the
+    budget's extrapolated scale, sigma_dp = z/S_ext."""
     if not budget.dp:
         return {"budget": budget.name, "dp": False, "noise_multiplier": 0.0, "sigma_dp": 0.0}
-    q = budget.cohort / budget.population
-    z = calibrate_noise(budget.epsilon, q, budget.steps, budget.delta, budget.accountant)
+
+    def at(z: float) -> MechanismDescription:
+        return budget_described(budget, privacy, z, budget.steps)
+
+    z = calibrate_noise(budget.epsilon, at, budget.delta, budget.accountant)
+    q = at(z).sampling_rate
     return {
         "budget": budget.name,
         "dp": True,
@@ -53,16 +69,17 @@ def budget_noise(budget: Budget) -> dict:
     }
 
 
-def check_steps_within_budget(steps: int, budget: Budget, where: str) -> None:
+def check_steps_within_budget(
+    steps: int, budget: Budget, where: str, privacy: PrivacyRecipe = GAUSSIAN
+) -> None:
     """UserError when a run's central steps exceed the T its budget is calibrated for: the
     budget's epsilon holds for at most T_ext steps. Names both step counts and the epsilon the
     run would have at the extrapolated scale with its own T."""
     if not budget.dp or steps <= budget.steps:
         return
-    noise = budget_noise(budget)
-    real = compute_epsilon(
-        noise["noise_multiplier"], noise["sampling_rate"], steps, budget.delta, budget.accountant
-    ).epsilon
+    noise = budget_noise(budget, privacy)
+    described = budget_described(budget, privacy, noise["noise_multiplier"], steps)
+    real = compute_epsilon(described, budget.delta, budget.accountant).epsilon
     raise UserError(
         f"{where}: {steps} central steps but budget {budget.name!r} is calibrated for T ="
         f" {budget.steps}; at T = {steps} its epsilon would be {real:.2f} > {budget.epsilon:g}"
@@ -79,6 +96,13 @@ def check_scale(cohort: int, population: int, steps: int) -> None:
         raise UserError(f"steps must be >= 1, got {steps}")
 
 
+def described_at_scale(
+    privacy: PrivacyRecipe, sigma_dp: float, cohort: int, population: int, steps: int
+) -> MechanismDescription:
+    """The mechanism `privacy` names with noise sigma_dp at one (K, S, T) scale: z = sigma_dp*S."""
+    return mechanism_class(privacy).describe(privacy, sigma_dp * cohort, population, cohort, steps)
+
+
 def epsilons_at_scale(
     sigma_dp: float,
     cohort: int,
@@ -86,31 +110,32 @@ def epsilons_at_scale(
     steps: int,
     delta: float,
     accountants: Sequence[str],
+    privacy: PrivacyRecipe = GAUSSIAN,
 ) -> dict:
     """Epsilon by each accountant for sigma_dp at one (K, S, T) scale; JSON-ready."""
     check_scale(cohort, population, steps)
-    q = cohort / population
-    z = sigma_dp * cohort
+    described = described_at_scale(privacy, sigma_dp, cohort, population, steps)
     scale = {
         "population": population,
         "cohort": cohort,
         "steps": steps,
         "delta": delta,
-        "sampling_rate": q,
-        "noise_multiplier": z,
+        "sampling_rate": described.sampling_rate,
+        "noise_multiplier": described.noise_multiplier,
+        **mechanism_class(privacy).scale_record(described),
         "epsilon": {},
     }
     for name in accountants:
         # None without noise: epsilon is infinite
-        scale["epsilon"][name] = epsilon_entry(z, q, steps, delta, name) if sigma_dp else None
+        scale["epsilon"][name] = epsilon_entry(described, delta, name) if sigma_dp else None
     return scale
 
 
-def epsilon_entry(z: float, q: float, steps: int, delta: float, accountant: str) -> dict:
+def epsilon_entry(mechanism: MechanismDescription, delta: float, accountant: str) -> dict:
     """One accountant's epsilon, JSON-ready; where it cannot compute one, epsilon is null and
     `error` says why (e.g. PLD or PRV at an astronomically large epsilon)."""
     try:
-        return asdict(compute_epsilon(z, q, steps, delta, accountant))
+        return asdict(compute_epsilon(mechanism, delta, accountant))
     except UserError as exc:
         return {"accountant": accountant, "epsilon": None, "error": str(exc)}
 
@@ -126,6 +151,7 @@ def privacy_statement(
     budget: Budget | None,
     accountants: Sequence[str] = tuple(ACCOUNTANTS),
     pseudo_users: bool = False,
+    privacy: PrivacyRecipe = GAUSSIAN,
 ) -> dict:
     """JSON-ready record of how private a run is, at its simulated and extrapolated scale.
 
@@ -144,19 +170,24 @@ def privacy_statement(
     extrapolated = None
     claimed_by = None
     if budget is not None and budget.dp:
-        check_steps_within_budget(steps, budget, "privacy statement")
+        check_steps_within_budget(steps, budget, "privacy statement", privacy)
         claimed_by = budget.accountant
         if claimed_by not in accountants:
             accountants = (claimed_by, *accountants)
         extrapolated = epsilons_at_scale(
-            sigma_dp, budget.cohort, budget.population, budget.steps, budget.delta, accountants
-        )
+            sigma_dp, budget.cohort, budget.population, budget.steps, budget.delta, accountants,
+            privacy,
+        )  # fmt: skip
         extrapolated.update(budget=budget.name, target_epsilon=budget.epsilon)
-    simulated = epsilons_at_scale(sigma_dp, cohort, population, steps, delta, accountants)
+    simulated = epsilons_at_scale(sigma_dp, cohort, population, steps, delta, accountants, privacy)
     unit = "pseudo-user" if pseudo_users else "user"
+    mechanism = mechanism_class(privacy)
+    how = how_sentence(
+        dp, sampling, simulated, extrapolated, accountants, claimed_by, unit, privacy
+    )
     return {
         "dp": dp,
-        "mechanism": MECHANISM.format(unit=unit),
+        "mechanism": mechanism.statement(privacy, unit),
         "unit": unit,
         "sigma_dp": sigma_dp,
         "clip_bound": clip_bound,
@@ -164,7 +195,7 @@ def privacy_statement(
         "claimed_by": claimed_by,
         "simulated": simulated,
         "extrapolated": extrapolated,
-        "how": how_sentence(dp, sampling, simulated, extrapolated, accountants, claimed_by, unit),
+        "how": how,
     }
 
 
@@ -176,23 +207,22 @@ def how_sentence(
     accountants: Sequence[str],
     claimed_by: str | None = None,
     unit: str = "user",
+    privacy: PrivacyRecipe = GAUSSIAN,
 ) -> str:
     if not dp:
         return "No DP noise (sigma_dp = 0): epsilon is infinite; updates may still be clipped."
     described = [ACCOUNTANTS[a].description for a in accountants]
+    mechanism = mechanism_class(privacy)
     text = (
-        f"epsilon computed by {enumeration(described)} for the Poisson-"
-        f"subsampled Gaussian mechanism with noise multiplier z = sigma_dp * S ="
-        f" {simulated['noise_multiplier']:.6g}, sampling rate q = S/K = {simulated['cohort']}/"
-        f"{simulated['population']}, composed over T = {simulated['steps']} steps at delta ="
-        f" {simulated['delta']:g}."
+        f"epsilon computed by {enumeration(described)} for"
+        f" {mechanism.accounted_as(privacy, simulated)} at delta = {simulated['delta']:g}."
     )
     if extrapolated is not None:
         text += (
             f" Extrapolated (McMahan et al. 2018): the same sigma_dp at K = "
             f"{extrapolated['population']}, S = {extrapolated['cohort']}, T ="
             f" {extrapolated['steps']}, delta = {extrapolated['delta']:g} (budget"
-            f" {extrapolated['budget']}), i.e. z = {extrapolated['noise_multiplier']:.6g},"
+            f" {extrapolated['budget']}), i.e. {mechanism.extrapolated_as(privacy, extrapolated)},"
             " assuming training quality is unchanged at that scale; the run's own T ="
             f" {simulated['steps']} is <= that T, so the extrapolated epsilon bounds it."
         )

@@ -1,5 +1,6 @@
-"""One central step's user-level DP mechanism as small steps, each testable alone (after the
-"postprocessors" of Apple's pfl-research).
+"""The Gaussian mechanism's parts as small steps, each testable alone (after the "postprocessors"
+of Apple's pfl-research); a privacy mechanism (privacy/mechanisms) builds them once, and again
+only when its clip bound C_t moves (adaptive clipping).
 
 Per-user steps change a user's update (name -> tensor) in place, before it goes into the sum,
 and return what they saw, for the step's stats (never released) and for the next steps:
@@ -17,8 +18,9 @@ the bound already proves the range (None: unknown, the sum checks).
 
 Aggregate steps change the averaged update once: AddServerNoise adds N(0, (C·σ)²). Adaptive
 clipping also releases the fraction of users within the bound (ReleaseUnclippedFraction), a
-separate release of a count, not of the update. `privacy_steps` builds them all from the recipe:
-it is the only place that reads privacy.clipping and privacy.noise_placement.
+separate release of a count, not of the update. Steps that draw noise take the central step, which
+keys their stream. `privacy_steps` builds them all from the recipe: it is the only place that
+reads privacy.clipping and privacy.noise_placement.
 """
 
 from __future__ import annotations
@@ -45,16 +47,16 @@ NOISE_HEADROOM = 40.0
 
 
 class UserStep(Protocol):
-    """Changes one user's update in place; returns what it saw of it (`seen`: what the steps
-    before it returned), for the stats and the next steps."""
+    """Changes one user's update in place at central step `step`; returns what it saw of it
+    (`seen`: what the steps before it returned), for the stats and the next steps."""
 
-    def apply(self, update: dict[str, Tensor], user: str, seen: dict) -> dict: ...
+    def apply(self, update: dict[str, Tensor], user: str, step: int, seen: dict) -> dict: ...
 
 
 class AggregateStep(Protocol):
-    """Changes the averaged update in place."""
+    """Changes the averaged update of central step `step` in place."""
 
-    def apply(self, average: dict[str, Tensor]) -> None: ...
+    def apply(self, average: dict[str, Tensor], step: int) -> None: ...
 
 
 # ----------------------------------------------------------------------------------------------
@@ -65,7 +67,7 @@ class AggregateStep(Protocol):
 class ZeroNonfinite:
     """Zero an update holding a NaN/Inf: zeros are inside every bound, so DP holds."""
 
-    def apply(self, update: dict[str, Tensor], user: str, seen: dict) -> dict:
+    def apply(self, update: dict[str, Tensor], user: str, step: int, seen: dict) -> dict:
         norms = layer_norms(list(update.values()))
         if zero_if_nonfinite(update, norms):
             return {"nonfinite": True, "norms": torch.zeros_like(norms)}
@@ -78,7 +80,7 @@ class ClipGlobal:
 
     bound: float
 
-    def apply(self, update: dict[str, Tensor], user: str, seen: dict) -> dict:
+    def apply(self, update: dict[str, Tensor], user: str, step: int, seen: dict) -> dict:
         clipped = clip_update(update, "global", self.bound, in_place=True, norms=seen.get("norms"))
         return _clipped_facts(clipped)
 
@@ -92,7 +94,7 @@ class ClipPerLayer:
     mode: Literal["uniform", "dim"]
     rule: Literal["clip", "normalize"]
 
-    def apply(self, update: dict[str, Tensor], user: str, seen: dict) -> dict:
+    def apply(self, update: dict[str, Tensor], user: str, step: int, seen: dict) -> dict:
         clipped = clip_update(
             update,
             "perlayer",
@@ -109,7 +111,7 @@ class ClipPerLayer:
 class MeasureNorms:
     """No clipping: the update stays as it is, its per-layer norms still go into the stats."""
 
-    def apply(self, update: dict[str, Tensor], user: str, seen: dict) -> dict:
+    def apply(self, update: dict[str, Tensor], user: str, step: int, seen: dict) -> dict:
         norms = seen["norms"] if "norms" in seen else layer_norms(list(update.values()))
         return {"norms": norms, "clipped": False, "largest": _largest(norms)}
 
@@ -121,11 +123,10 @@ class AddClientNoise:
 
     std: float
     seed: int
-    step: int
     device: str
 
-    def apply(self, update: dict[str, Tensor], user: str, seen: dict) -> dict:
-        generator = noise_generator(self.seed, self.step, user=user, device=self.device)
+    def apply(self, update: dict[str, Tensor], user: str, step: int, seen: dict) -> dict:
+        generator = noise_generator(self.seed, step, user=user, device=self.device)
         add_gaussian_noise(update, self.std, generator)
         return {"largest": None}  # the noise's elements are not bounded by a norm taken before
 
@@ -157,11 +158,10 @@ class AddServerNoise:
 
     std: float
     seed: int
-    step: int
     device: str
 
-    def apply(self, average: dict[str, Tensor]) -> None:
-        generator = noise_generator(self.seed, self.step, device=self.device)
+    def apply(self, average: dict[str, Tensor], step: int) -> None:
+        generator = noise_generator(self.seed, step, device=self.device)
         add_gaussian_noise(average, self.std, generator)
 
 
@@ -173,10 +173,9 @@ class ReleaseUnclippedFraction:
     bit_noise: float
     denominator: float
     seed: int
-    step: int
 
-    def apply(self, unclipped: float) -> float:
-        generator = noise_generator(self.seed, self.step, user="adaptive-clip")
+    def apply(self, unclipped: float, step: int) -> float:
+        generator = noise_generator(self.seed, step, user="adaptive-clip")
         return noisy_unclipped_fraction(unclipped, self.denominator, self.bit_noise, generator)
 
 
@@ -188,7 +187,10 @@ class ReleaseUnclippedFraction:
 class PrivacySteps:
     per_user: list[UserStep]  # on each user's update, in order, before the sum
     aggregate: list[AggregateStep]  # on the average, in order
-    max_abs: float  # the largest element an update can hold when it goes into the sum
+    # Every element of an update going into the sum is at most `bound` (None: the update is not
+    # clipped, its own bound holds) plus `headroom` (client noise).
+    bound: float | None
+    headroom: float
     # Each user noises its own update: the noiseless average never exists, and its noise is
     # right only when exactly `denominator` users took part.
     client_noise: bool
@@ -200,28 +202,26 @@ def privacy_steps(
     sigma_dp: float,
     clip_bound: float,
     denominator: float,
-    update_bound: float,
     seed: int,
-    step: int,
     device: str,
 ) -> PrivacySteps:
-    """The mechanism of central step `step` at clip bound `clip_bound` (C_t under adaptive
-    clipping); `update_bound` bounds an unclipped update's elements."""
+    """The Gaussian mechanism's steps at clip bound `clip_bound` (C_t under adaptive clipping)."""
     per_user: list[UserStep] = [ZeroNonfinite()]  # first: a NaN/Inf update has no norm
-    max_abs = clip_bound  # every element of a clipped update
+    bound = clip_bound  # bounds every element of a clipped update
     if privacy.clipping == "global":
         per_user.append(ClipGlobal(clip_bound))
     elif privacy.clipping == "perlayer":
         per_user.append(ClipPerLayer(clip_bound, privacy.perlayer_mode, privacy.perlayer_rule))
     else:
         per_user.append(MeasureNorms())
-        max_abs = update_bound
+        bound = None
 
+    headroom = 0.0
     client_noise = sigma_dp > 0 and privacy.noise_placement == "client"
     if client_noise:  # after clipping, which would shrink the noise below C·σ
         std = client_noise_std(clip_bound, sigma_dp, denominator)
-        per_user.append(AddClientNoise(std, seed, step, device))
-        max_abs += NOISE_HEADROOM * std
+        per_user.append(AddClientNoise(std, seed, device))
+        headroom = NOISE_HEADROOM * std
 
     aggregate: list[AggregateStep] = []
     adaptive = privacy.adaptive_clip
@@ -229,9 +229,9 @@ def privacy_steps(
     if sigma_dp > 0 and privacy.noise_placement == "server":
         # The bits take their share of σ_DP: the update gets the rest, σ_Δ > σ_DP.
         sigma = update_noise(sigma_dp, bit_noise) if bit_noise else sigma_dp
-        aggregate.append(AddServerNoise(server_noise_std(clip_bound, sigma), seed, step, device))
+        aggregate.append(AddServerNoise(server_noise_std(clip_bound, sigma), seed, device))
 
     release = None
     if adaptive is not None:  # released even without DP (then with no noise): it moves C_t
-        release = ReleaseUnclippedFraction(bit_noise, denominator, seed, step)
-    return PrivacySteps(per_user, aggregate, max_abs, client_noise, release)
+        release = ReleaseUnclippedFraction(bit_noise, denominator, seed)
+    return PrivacySteps(per_user, aggregate, bound, headroom, client_noise, release)

@@ -13,7 +13,6 @@ import copy
 import json
 import math
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -28,13 +27,13 @@ from pflbench.results.schema import (
     read_json_file,
     record_numerics_version,
 )
-from pflbench.spec.models import Budget, RunConfig
+from pflbench.spec.models import Budget, PrivacyRecipe, RunConfig
 from pflbench.spec.names import safe_name
 from pflbench.spec.registry import Registry, format_validation_error
 from pflbench.spec.resolve import config_json_hash
 
 if TYPE_CHECKING:
-    from pflbench.privacy.accounting import EpsilonResult
+    from pflbench.privacy.accounting import MechanismDescription
     from pflbench.results.rescore import DataOptions
 
 EPSILON_RTOL = 1e-3  # recomputed ε vs claimed ε; accountants are deterministic, this is float slack
@@ -166,8 +165,9 @@ def check_budget(config: RunConfig, registry: Registry, where: str) -> Budget:
 def check_record_privacy(
     privacy: dict | None, config: RunConfig, budget: Budget, where: str
 ) -> None:
-    """Recompute every ε claim with the pinned accountants and hold the budget's accountant's
-    against the budget."""
+    """Recompute every ε claim with the pinned accountants, for the mechanism the config names,
+    and hold the budget's accountant's against the budget."""
+    from pflbench.privacy.mechanisms import mechanism_class
     from pflbench.privacy.statement import check_steps_within_budget
 
     if not budget.dp:
@@ -181,18 +181,20 @@ def check_record_privacy(
     if budget.unit == "example":
         check_example_privacy(privacy, config, budget, where)
         return
-    check_steps_within_budget(config.recipe.federated.central_steps, budget, where)
+    recipe = config.recipe
+    check_steps_within_budget(recipe.federated.central_steps, budget, where, recipe.privacy)
     sigma_dp = privacy.get("sigma_dp")
     if not isinstance(sigma_dp, int | float) or not sigma_dp > 0:
         raise UserError(f"{where}: privacy.sigma_dp must be a number > 0, got {sigma_dp!r}")
-    recipe = config.recipe
+    unit = "pseudo-user" if config.task.federated_data.iid else "user"
     expected = {
+        "mechanism": mechanism_class(recipe.privacy).statement(recipe.privacy, unit),
         "clip_bound": recipe.privacy.clip_bound,
         "sampling": recipe.federated.sampling,
         # Older records name no accountant or unit: theirs were rdp (the only budget accountant
         # then) and user (no -iid run was ever filed).
         "claimed_by": budget.accountant,
-        "unit": "pseudo-user" if config.task.federated_data.iid else "user",
+        "unit": unit,
     }
     defaults = {"claimed_by": "rdp", "unit": "user"}
     for key, value in expected.items():
@@ -218,7 +220,9 @@ def check_record_privacy(
                 raise UserError(
                     f"{where}: privacy.{scale}.{key} is {claim.get(key)!r}, expected {value!r}"
                 )
-        fresh = check_scale(claim, sigma_dp, budget.delta, f"{where}: privacy.{scale}", claimed)
+        fresh = check_scale(
+            claim, sigma_dp, budget.delta, f"{where}: privacy.{scale}", claimed, recipe.privacy
+        )
         if scale == "extrapolated":
             fresh_ext = fresh[claimed]
     if fresh_ext is None:
@@ -234,8 +238,6 @@ def check_example_privacy(privacy: dict, config: RunConfig, budget: Budget, wher
     """An example-level DP-SGD claim (privacy/example.py): unit example, the config's clip bound
     and steps, opacus' accountant of the budget recomputing the claimed ε for the claim's own
     (z, q = B/N, T, δ), and that ε within the budget."""
-    from pflbench.privacy.example import example_epsilon
-
     expected = {
         "unit": "example",
         "sampling": "poisson",
@@ -260,10 +262,7 @@ def check_example_privacy(privacy: dict, config: RunConfig, budget: Budget, wher
         raise UserError(
             f"{where}: privacy.simulated.steps is {claim.get('steps')!r}, expected {steps}"
         )
-    fresh = check_scale(
-        claim, sigma_dp, budget.delta, f"{where}: privacy.simulated", budget.accountant,
-        epsilon_of=example_epsilon,
-    )  # fmt: skip
+    fresh = _check_example_scale(claim, sigma_dp, budget.delta, where, budget.accountant)
     epsilon = fresh[budget.accountant]
     if epsilon is None:
         raise UserError(f"{where}: privacy.simulated.epsilon.{budget.accountant}: no ε claimed")
@@ -274,68 +273,114 @@ def check_example_privacy(privacy: dict, config: RunConfig, budget: Budget, wher
         )
 
 
-def check_scale(
-    claim: dict,
-    sigma_dp: float,
-    delta: float,
-    where: str,
-    claimed: str,
-    epsilon_of: Callable[..., EpsilonResult] | None = None,
-) -> dict[str, float | None]:
-    """Check one scale's claims (every accountant's, the `claimed` one required) against a fresh
-    computation; returns the fresh ε by accountant (None where it cannot be computed).
-    `epsilon_of(z, q, steps, delta, accountant)`: where the fresh ε comes from (default: the
-    registered accountants; example-level claims: opacus', privacy.example.example_epsilon)."""
+def _check_example_scale(
+    claim: dict, sigma_dp: float, delta: float, where: str, claimed: str
+) -> dict[str, float]:
+    """check_scale for an example-level claim: z = σ_DP·B and q = B/N from the claim's expected
+    batch B (`cohort`) and examples N (`population`), every claimed ε recomputed by opacus'
+    accountant (privacy.example.example_epsilon); returns the fresh ε by accountant."""
+    from pflbench.privacy.example import example_epsilon
+
+    where = f"{where}: privacy.simulated"
     cohort, population, steps = claim["cohort"], claim["population"], claim["steps"]
     z, q = sigma_dp * cohort, cohort / population
     for key, value in (("noise_multiplier", z), ("sampling_rate", q)):
         if not _close(float(claim[key]), value, EXACT_RTOL):
-            raise UserError(f"{where}.{key} is {claim[key]!r} but σ_DP, S, K give {value!r}")
+            raise UserError(f"{where}.{key} is {claim[key]!r} but σ_DP, B, N give {value!r}")
+    epsilons = claim.get("epsilon") or {}
+    if not isinstance(epsilons.get(claimed), dict):
+        raise UserError(f"{where}.epsilon has no {claimed!r} claim (the budget's accountant)")
+    fresh = {}
+    for name, item in sorted(epsilons.items()):
+        at = f"{where}.epsilon.{name}"
+        if not isinstance(item, dict) or item.get("epsilon") is None:
+            raise UserError(f"{at}: expected an ε claim, got {item!r}")
+        analysed = {"noise_multiplier": z, "sampling_rate": q, "steps": steps, "delta": delta}
+        for key, value in analysed.items():
+            if item.get(key) is None or not _close(float(item[key]), value, EXACT_RTOL):
+                raise UserError(f"{at}.{key} is {item.get(key)!r}, expected {value!r}")
+        fresh[name] = example_epsilon(z, q, steps, delta, name).epsilon
+        if not _close(float(item["epsilon"]), fresh[name], EPSILON_RTOL):
+            raise UserError(
+                f"{at}: claimed ε = {item['epsilon']!r} but opacus' {name} accountant gives "
+                f"{fresh[name]!r} for z = {z}, q = {q}, T = {steps}, δ = {delta}"
+            )
+    return fresh
+
+
+def check_scale(
+    claim: dict, sigma_dp: float, delta: float, where: str, claimed: str, privacy: PrivacyRecipe
+) -> dict[str, float | None]:
+    """Check one scale's claims (every accountant's, the `claimed` one required) against a fresh
+    computation for the mechanism `privacy` names; returns the fresh ε by accountant (None where
+    it cannot be computed)."""
+    from pflbench.privacy.mechanisms import mechanism_class
+    from pflbench.privacy.statement import described_at_scale
+
+    cohort, population, steps = claim["cohort"], claim["population"], claim["steps"]
+    described = described_at_scale(privacy, sigma_dp, cohort, population, steps)
+    stated = {
+        "noise_multiplier": described.noise_multiplier,
+        "sampling_rate": described.sampling_rate,
+        **mechanism_class(privacy).scale_record(described),
+    }
+    for key, value in stated.items():
+        if not _same_json(claim.get(key), value):
+            raise UserError(f"{where}.{key} is {claim.get(key)!r} but σ_DP, S, K give {value!r}")
     epsilons = claim.get("epsilon") or {}
     if not isinstance(epsilons.get(claimed), dict):
         raise UserError(f"{where}.epsilon has no {claimed!r} claim (the budget's accountant)")
     return {
-        name: check_epsilon_claim(
-            name, item, z, q, steps, delta, f"{where}.epsilon.{name}", epsilon_of
-        )
+        name: check_epsilon_claim(name, item, described, delta, f"{where}.epsilon.{name}")
         for name, item in sorted(epsilons.items())
     }
 
 
 def check_epsilon_claim(
-    name: str,
-    item: dict | None,
-    z: float,
-    q: float,
-    steps: int,
-    delta: float,
-    where: str,
-    epsilon_of: Callable[..., EpsilonResult] | None = None,
+    name: str, item: dict | None, described: MechanismDescription, delta: float, where: str
 ) -> float | None:
     """A fresh ε from the pinned accountant must match the claim; returns it (None when the
     accountant cannot compute it and the claim says so)."""
     from pflbench.privacy.accountants import compute_epsilon
 
-    epsilon_of = epsilon_of or compute_epsilon
     if not isinstance(item, dict) or item.get("accountant") != name:
         raise UserError(f"{where}: expected a {name} ε claim, got {item!r}")
     if item.get("epsilon") is None:
         try:
-            value = epsilon_of(z, q, steps, delta, name).epsilon
+            value = compute_epsilon(described, delta, accountant=name).epsilon
         except UserError:
             return None  # the claim says this accountant cannot compute it, and indeed it cannot
         raise UserError(f"{where}: no ε claimed, but the {name} accountant gives {value!r}")
-    expected = {"noise_multiplier": z, "sampling_rate": q, "steps": steps, "delta": delta}
-    for key, value in expected.items():
+    fresh = compute_epsilon(described, delta, accountant=name)
+    # What the accountant analysed (the description, or what it reduces to).
+    analysed = {
+        "noise_multiplier": fresh.noise_multiplier,
+        "sampling_rate": fresh.sampling_rate,
+        "steps": fresh.steps,
+        "delta": delta,
+    }
+    for key, value in analysed.items():
         if item.get(key) is None or not _close(float(item[key]), value, EXACT_RTOL):
             raise UserError(f"{where}.{key} is {item.get(key)!r}, expected {value!r}")
-    fresh = epsilon_of(z, q, steps, delta, name).epsilon
-    if not _close(float(item["epsilon"]), fresh, EPSILON_RTOL):
+    if not _close(float(item["epsilon"]), fresh.epsilon, EPSILON_RTOL):
         raise UserError(
             f"{where}: claimed ε = {item['epsilon']!r} but the {name} accountant gives "
-            f"{fresh!r} for z = {z}, q = {q}, T = {steps}, δ = {delta}"
+            f"{fresh.epsilon!r} for {described}, δ = {delta}"
         )
-    return fresh
+    return fresh.epsilon
+
+
+def _same_json(claimed, value) -> bool:
+    """A claimed JSON value equals a fresh one, numbers to EXACT_RTOL."""
+    if isinstance(value, dict):
+        return (
+            isinstance(claimed, dict)
+            and claimed.keys() == value.keys()
+            and all(_same_json(claimed[k], v) for k, v in value.items())
+        )
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return claimed == value
+    return isinstance(claimed, int | float) and _close(float(claimed), value, EXACT_RTOL)
 
 
 def find_duplicate(record: ResultRecord, folder: Path) -> Path | None:

@@ -34,6 +34,11 @@ class Strict(BaseModel):
         return data
 
 
+class NoOptions(Strict):
+    """The options of a pluggable method that takes none (`algorithm_options`,
+    `mechanism_options`)."""
+
+
 # ----------------------------------------------------------------------------------------------
 # Data
 
@@ -255,6 +260,17 @@ class PrivacyRecipe(Strict):
     adaptive_clip: AdaptiveClip | None = Field(
         None,
         description="Adapt the (total) bound, from clip_bound, to a quantile of the norms.",
+        json_schema_extra=ADDED_LATER,
+    )
+    mechanism: str = Field(
+        "gaussian",
+        description="A registered privacy mechanism (pflbench/privacy/mechanisms: gaussian, the"
+        " paper's; bandmf; plug-ins add more): who takes part in a step, and the noise.",
+        json_schema_extra=ADDED_LATER,
+    )
+    mechanism_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The mechanism's options, checked by its Options model (bandmf: bands).",
         json_schema_extra=ADDED_LATER,
     )
 

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ValidationError
 
 from pflbench.data.store import Utterance
 from pflbench.errors import UserError
@@ -38,15 +38,11 @@ from pflbench.extension import ExtensionPoint
 from pflbench.fl.local_update import LocalUpdate
 from pflbench.fl.user_state import UserStateStore
 from pflbench.seeds import keyed_generator
-from pflbench.spec.models import ClientRecipe, FederatedVariationalNoise
+from pflbench.spec.models import ClientRecipe, FederatedVariationalNoise, NoOptions
 from pflbench.spec.registry import format_validation_error
 
 # ClientRecipe fields an algorithm may own (`uses`); the others are every algorithm's.
 ALGORITHM_FIELDS = ("fedprox_mu", "max_utterances", "variational_noise")
-
-
-class NoOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
 
 
 @dataclass

@@ -1,0 +1,214 @@
+"""The privacy-mechanism interface and its registry (after pfl-research's PrivacyMechanism and its
+SplitPrivacyMechanism): one stateful object per run, built from the privacy recipe, owning
+everything DP about a central step t:
+
+    cohort(t)                              which users take part (what the accountant assumes)
+    constrain_sensitivity(Δ, user, t)      per user, before the exact sum: a NaN/Inf update
+                                           zeroed, clipped to C_t, client noise if placed there
+    add_noise(average, t)                  once, on the exact sum divided by `denominator`
+    end_step(within, t)                    what it releases beside the average (adaptive
+                                           clipping's noised fraction within C_t), and C_{t+1}
+    state_dict() / load_state_dict()       its state, for an exact resume
+
+and, as class methods that need no run, how it is accounted: `describe` is the description the
+accountants analyse (privacy/accounting.py) at any scale (K, S, T), `statement` and
+`accounted_as` the words a record uses for it. The aggregator (fl.aggregate) keeps only the exact
+sum and named statistics; the simulator (fl.simulator) asks the mechanism who takes part.
+
+The Gaussian mechanism of paper 002's Algorithm 1 is the base class; other mechanisms override
+what differs (BandMF, bandmf.py: the cohorts and the noise). Built-in mechanisms are the modules
+of this package; plug-ins register theirs in PRIVACY_MECHANISMS, and `privacy.mechanism` names
+one, with `privacy.mechanism_options` checked by its `Options`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from pydantic import BaseModel, ValidationError
+
+from pflbench.errors import UserError
+from pflbench.extension import ExtensionPoint
+from pflbench.privacy.accounting import MechanismDescription, SampledGaussian
+from pflbench.privacy.adaptive import next_clip_bound
+from pflbench.privacy.sampling import expected_cohort, sample_cohort
+from pflbench.privacy.steps import privacy_steps
+from pflbench.spec.models import NoOptions, PrivacyRecipe, Recipe
+from pflbench.spec.registry import format_validation_error
+
+
+@dataclass(frozen=True)
+class MechanismContext:
+    """What a run gives its mechanism: the population the cohorts are drawn from (users and audit
+    canaries, by index), the noise σ_DP of the average relative to C (0: no DP), the run seed and
+    the device of the updates."""
+
+    users: Sequence[str]
+    sigma_dp: float
+    seed: int
+    device: str
+
+
+class PrivacyMechanism:
+    """The Gaussian mechanism (paper 002, Algorithm 1): Poisson sampling at q = S/K (or a fixed
+    cohort of S), each update clipped to C_t, and N(0, (C_t·σ_DP)²) added once to the average of
+    the sum over qK (or S); under adaptive clipping C_t moves each step from the noised fraction
+    of users within it. Its ε is the Poisson-subsampled Gaussian's with z = σ_DP·S."""
+
+    Options: ClassVar[type[BaseModel]] = NoOptions  # privacy.mechanism_options
+    STATEMENT: ClassVar[str] = (
+        "{unit}-level DP: each sampled {unit}'s update clipped to L2 norm C, Gaussian noise of std"
+        " C*sigma_dp on the average (sum divided by the expected cohort qK); Poisson-subsampled"
+        " Gaussian mechanism with noise multiplier z = sigma_dp*qK, composed over T central steps"
+    )
+
+    def __init__(self, recipe: Recipe, context: MechanismContext):
+        self.recipe, self.context = recipe, context
+        self.privacy = recipe.privacy
+        self.options = self.Options(**self.privacy.mechanism_options)
+        self.denominator = self.expected_cohort(recipe, len(context.users))
+        self._at_bound(self.privacy.clip_bound)
+
+    @classmethod
+    def check(cls, recipe: Recipe) -> None:
+        """Raise ValueError where `recipe` does not fit this mechanism."""
+        try:
+            cls.Options(**recipe.privacy.mechanism_options)
+        except ValidationError as exc:
+            where = f"privacy.mechanism_options of {recipe.privacy.mechanism!r}"
+            raise ValueError(format_validation_error(where, exc)) from None
+
+    # Accounting: no run needed --------------------------------------------------------------------
+
+    @classmethod
+    def describe(
+        cls, privacy: PrivacyRecipe, noise_multiplier: float, population: int, cohort: int,
+        steps: int,
+    ) -> MechanismDescription:  # fmt: skip
+        """The mechanism at scale (K, S, T) with noise multiplier z = σ_DP·S, for accountants."""
+        return SampledGaussian(noise_multiplier, cohort / population, steps)
+
+    @classmethod
+    def statement(cls, privacy: PrivacyRecipe, unit: str) -> str:
+        """The record's `privacy.mechanism`: what the mechanism does, in words."""
+        return cls.STATEMENT.format(unit=unit)
+
+    @classmethod
+    def accounted_as(cls, privacy: PrivacyRecipe, scale: dict) -> str:
+        """How the accountants see a scale of the record (`privacy.simulated` or `extrapolated`)."""
+        return (
+            "the Poisson-subsampled Gaussian mechanism with noise multiplier z = sigma_dp * S ="
+            f" {scale['noise_multiplier']:.6g}, sampling rate q = S/K = {scale['cohort']}/"
+            f"{scale['population']}, composed over T = {scale['steps']} steps"
+        )
+
+    @classmethod
+    def extrapolated_as(cls, privacy: PrivacyRecipe, scale: dict) -> str:
+        """What the same noise is at the budget's extrapolated scale (`privacy.extrapolated`)."""
+        return f"z = {scale['noise_multiplier']:.6g}"
+
+    @classmethod
+    def scale_record(cls, described: MechanismDescription) -> dict:
+        """What a scale of the record states beyond its K, S, T, q and z (nothing here: they are
+        the sampled Gaussian's parameters)."""
+        return {}
+
+    # Who takes part -------------------------------------------------------------------------------
+
+    @classmethod
+    def expected_cohort(cls, recipe: Recipe, population: int) -> float:
+        """The denominator of the average: qK for Poisson sampling, S for fixed cohorts."""
+        fed = recipe.federated
+        if fed.sampling == "poisson":
+            return expected_cohort(population, fed.cohort_size)
+        return min(fed.cohort_size, population)
+
+    def cohort(self, step: int) -> torch.Tensor:
+        """Indices (sorted, int64) into `context.users` of the users taking part in step `step`."""
+        fed = self.recipe.federated
+        users, seed = len(self.context.users), self.context.seed
+        return sample_cohort(users, fed.cohort_size, fed.sampling, seed, step)
+
+    # One central step -----------------------------------------------------------------------------
+
+    def _at_bound(self, clip_bound: float) -> None:
+        """C_t and the steps that depend on it."""
+        self.clip_bound = clip_bound
+        context = self.context
+        self.steps = privacy_steps(
+            self.privacy, context.sigma_dp, clip_bound, self.denominator, context.seed,
+            context.device,
+        )  # fmt: skip
+        self.client_noise = self.steps.client_noise
+
+    def largest_element(self, update_bound: float) -> float:
+        """A bound on every element of an update going into the sum (`update_bound`: that of an
+        unclipped update)."""
+        bound = update_bound if self.steps.bound is None else self.steps.bound
+        return bound + self.steps.headroom
+
+    def constrain_sensitivity(self, update: dict[str, torch.Tensor], user: str, step: int) -> dict:
+        """Run the per-user steps on `update` in place; returns what they saw (privacy/steps.py)
+        and `within`: whether the update was within C_t (adaptive clipping's bit)."""
+        facts: dict = {}
+        for user_step in self.steps.per_user:
+            facts |= user_step.apply(update, user, step, facts)
+        facts["within"] = float(torch.linalg.vector_norm(facts["norms"].double().cpu())) <= (
+            self.clip_bound
+        )
+        return facts
+
+    def check_clients(self, clients: float) -> None:
+        """Client-side noise has std C·σ_DP on the average only with exactly `denominator`
+        clients."""
+        if self.client_noise and clients != self.denominator:
+            raise ValueError(
+                f"client-side noise needs exactly {self.denominator:g} clients per step (then the"
+                f" average's noise std is C·σ_DP), got {clients:g}: use fixed-size cohorts"
+            )
+
+    def add_noise(self, average: dict[str, torch.Tensor], step: int) -> None:
+        """Noise the average (sum over `denominator`) of step `step` in place."""
+        for aggregate_step in self.steps.aggregate:
+            aggregate_step.apply(average, step)
+
+    def end_step(self, within: float, step: int) -> dict:
+        """After the noise: the statistics the mechanism releases beside the average (adaptive
+        clipping: C_t and the noised fraction of the `within` users), and its next C."""
+        release = self.steps.unclipped_fraction
+        if release is None:
+            return {}
+        fraction = release.apply(within, step)  # DP-released: the next bound follows from it
+        released = {"clip_bound": self.clip_bound, "unclipped_fraction": fraction}
+        adaptive = self.privacy.adaptive_clip
+        self._at_bound(
+            next_clip_bound(self.clip_bound, fraction, adaptive.target_quantile, adaptive.lr)
+        )
+        return released
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {"clip_bound": torch.tensor(self.clip_bound, dtype=torch.float64)}
+
+    def load_state_dict(self, tensors: dict[str, torch.Tensor]) -> None:
+        if "clip_bound" in tensors:  # checkpoints before adaptive clipping: the recipe's bound
+            self._at_bound(float(tensors["clip_bound"]))
+
+
+# The registry (more built-ins: modules of this package; plug-ins: pflbench.plugins).
+PRIVACY_MECHANISMS = ExtensionPoint("privacy mechanism", (("gaussian", PrivacyMechanism),))
+
+
+def mechanism_class(privacy: PrivacyRecipe) -> type[PrivacyMechanism]:
+    """The registered class `privacy.mechanism` names (UserError listing the known ones)."""
+    return PRIVACY_MECHANISMS[privacy.mechanism]
+
+
+def check_mechanism_recipe(recipe: Recipe) -> None:
+    """The recipe's mechanism is registered and the recipe fits it (UserError otherwise)."""
+    try:
+        mechanism_class(recipe.privacy).check(recipe)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
