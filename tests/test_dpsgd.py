@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 from opacus.accountants import RDPAccountant
 from safetensors.torch import load_file
+from test_privacy_clipping import norm64, within
 from test_run import EXAMPLE_LEVEL, TASK, _config, env, specs_dir  # noqa: F401  (fixtures)
 
 from pflbench.checkpoint import load_checkpoint
@@ -25,6 +26,7 @@ from pflbench.errors import UserError
 from pflbench.model.transformer import CTCTransformer, ModelConfig, build_model, ctc_losses
 from pflbench.privacy.clipping import layer_bounds
 from pflbench.privacy.example import EPSILON_TOLERANCE, example_epsilon, example_noise_multiplier
+from pflbench.privacy.example_optimizer import ExactClipDPOptimizer
 from pflbench.results.leaderboard import render_leaderboard
 from pflbench.results.rescore import DataOptions
 from pflbench.results.schema import compute_record_id, load_record
@@ -135,8 +137,8 @@ def test_blocks_skipped_by_layer_drop_give_zero_per_example_gradients(utterances
     chosen=st.lists(st.integers(0, 11), min_size=1, max_size=5, unique=True),
 )
 def test_each_examples_gradient_is_clipped_on_its_own(utterances, clipping, log_clip, chosen):
-    """With z = 0, B·ĝ is Σ_i clip(g_i): each example's gradient scaled to within C (global) or
-    each tensor to within its C_h (per layer, pflbench's dim allocation), none mixed with
+    """With z = 0, B·ĝ is Σ_i clip(g_i): each example's gradient scaled to C (global) or each
+    tensor to its C_h (per layer, pflbench's dim allocation) where over it, none mixed with
     another's."""
     clip = 10.0**log_clip
     trainer = trainer_for(utterances, clipping=clipping, clip=clip, batch=len(chosen))
@@ -149,9 +151,9 @@ def test_each_examples_gradient_is_clipped_on_its_own(utterances, clipping, log_
         total = math.sqrt(sum(float(g.double().norm()) ** 2 for g in raw.values()))
         for name, g in raw.items():
             if clipping == "global":
-                factor = min(1.0, clip / (total + 1e-6))
+                factor = min(1.0, clip / total)
             else:
-                factor = min(1.0, bounds[name] / (float(g.norm()) + 1e-6))
+                factor = min(1.0, bounds[name] / norm64(g))
             clipped = g * factor
             expected[name] += clipped
         # Each example alone: the privatized gradient is its clipped gradient, inside the bound.
@@ -165,6 +167,151 @@ def test_each_examples_gradient_is_clipped_on_its_own(utterances, clipping, log_
     trainer.noised_gradient(chosen, step=0)
     for name, g in grads(trainer).items():
         assert_close_in_norm(g * len(chosen), expected[name])
+
+
+# Adversarial per-example gradients, clipped exactly. Each example is built against the bound:
+# its norm (global: in total; per layer: each tensor's) at C, 1 ulp of fp32 around it, far over or
+# under it, one value of exactly fp32(C) or the next above it, values near fp32's largest or in
+# its subnormal range, zero, and tensors of one example at scales orders of magnitude apart.
+KINDS = ["at", "above", "below", "random", "single-at", "single-above", "huge", "tiny", "mixed",
+         "zero"]  # fmt: skip
+SHAPES = [(1,), (7,), (4, 16), (3, 5, 4), (4096,)]
+
+
+def adversarial_example(kind, shapes, targets, generator) -> list[torch.Tensor]:
+    """One example's gradient (one fp32 tensor per shape) of `kind`; `targets`: the norm each
+    tensor is built against (global: C for the example's total, per layer: C_h each)."""
+    f64 = torch.float64
+
+    def uniform(low, high):
+        return float(torch.empty(1, dtype=f64).uniform_(low, high, generator=generator))
+
+    directions = [torch.randn(s, generator=generator, dtype=f64) * 10 ** uniform(-6, 6)
+                  for s in shapes]  # fmt: skip
+    if kind == "zero":
+        return [torch.zeros(s) for s in shapes]
+    if kind.startswith("single"):
+        values = [torch.zeros(s) for s in shapes]
+        at = [torch.tensor(t, dtype=torch.float32) for t in targets]
+        if kind == "single-above":
+            at = [torch.nextafter(v, torch.tensor(math.inf)) for v in at]
+        chosen = range(len(shapes)) if len(set(targets)) > 1 else [0]  # per layer: each tensor
+        for h in chosen:
+            values[h].view(-1)[int(torch.randint(values[h].numel(), (1,), generator=generator))] = (
+                at[h]
+            )
+        return values
+    if kind in ("huge", "tiny", "mixed"):
+        ranges = {"huge": (30.0, 38.5), "tiny": (-46.0, -30.0)}
+        values = []
+        for h, d in enumerate(directions):
+            low, high = ranges[kind] if kind != "mixed" else ranges[["huge", "tiny"][h % 2]]
+            d = d / d.abs().max() * 10 ** uniform(low, high)
+            values.append(d.clamp(-3.4e38, 3.4e38).float())
+        return values
+    ratio = {"at": 1.0, "above": 1 + 2.0**-23, "below": 1 - 2.0**-24}.get(kind)
+    if len(set(targets)) > 1 or len(shapes) == 1:  # per layer (or one tensor): each to its own
+        return [(d * t * (ratio or 10 ** uniform(-2, 2)) / d.norm()).float()
+                for d, t in zip(directions, targets, strict=True)]  # fmt: skip
+    total = math.sqrt(sum(float(d.norm()) ** 2 for d in directions))
+    scale = targets[0] * (ratio or 10 ** uniform(-2, 2)) / total
+    return [(d * scale).float() for d in directions]
+
+
+@st.composite
+def adversarial_batches(draw):
+    """(clipping, C, shapes, per-example gradients [n, ...] per tensor): C an fp32 number."""
+    clipping = draw(st.sampled_from(["global", "perlayer"]))
+    bound = float(torch.tensor(10 ** draw(st.floats(-3.0, 4.0)), dtype=torch.float32))
+    shapes = draw(st.lists(st.sampled_from(SHAPES), min_size=1, max_size=4))
+    sizes = [math.prod(shape) for shape in shapes]
+    if clipping == "perlayer":
+        targets = layer_bounds(sizes, bound, "dim").tolist()
+    else:
+        targets = [bound] * len(shapes)
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    kinds = draw(st.lists(st.sampled_from(KINDS), min_size=1, max_size=6))
+    examples = [adversarial_example(k, shapes, targets, generator) for k in kinds]
+    samples = [torch.stack([example[h] for example in examples]) for h in range(len(shapes))]
+    return clipping, bound, shapes, samples
+
+
+def clipping_optimizer(params, clipping: str, bound: float):
+    """The optimizer DP-SGD clips with (no noise, the sum left in summed_grad)."""
+    inner = torch.optim.SGD(params, lr=0.1)
+    return ExactClipDPOptimizer(inner, clipping=clipping, clip_bound=bound, perlayer_mode="dim",
+                                noise_multiplier=0.0, expected_batch_size=1)  # fmt: skip
+
+
+def assert_within_bounds(tensors, clipping, bound, layer_bounds_):
+    """Exact arithmetic: ‖tensors‖ ≤ C, and per layer each ‖tensor_h‖ ≤ C_h."""
+    assert within(tensors, bound), (norm64(torch.cat([t.flatten() for t in tensors])), bound)
+    if clipping == "perlayer":
+        for tensor, layer_bound in zip(tensors, layer_bounds_, strict=True):
+            assert within([tensor], layer_bound), (norm64(tensor), layer_bound)
+
+
+# Examples opacus' own clipping, C/(‖g‖ + 1e-6) in fp32, leaves over their bound (1000.00006 for
+# one value 1 ulp over C = 1000; per layer 707.10681 over C_h = 707.10678).
+@example(batch=("global", 1000.0, [(1,)], [torch.tensor([[1000.0001220703125]])]))
+@example(batch=("perlayer", 1000.0, [(1,), (1,)],
+                [torch.tensor([[0.0]]), torch.tensor([[707.1068725585938]])]))  # fmt: skip
+@settings(max_examples=200, deadline=None)
+@given(batch=adversarial_batches())
+def test_every_examples_clipped_gradient_is_within_its_bound_exactly(batch):
+    """Each example's contribution to the noised sum, as the optimizer computes it in fp32, has
+    ‖c_i‖ ≤ C (global) or ‖c_i,h‖ ≤ C_h for every tensor (per layer) in exact arithmetic, for
+    gradients built at, 1 ulp over, far over and under the bound, near fp32's largest values and
+    subnormal; and one over the bound lands on it, not far inside (a bound that zeroed every
+    example would pass the first check)."""
+    clipping, bound, shapes, samples = batch
+    sizes = [math.prod(shape) for shape in shapes]
+    layer_bounds_ = layer_bounds(sizes, bound, "dim").tolist()
+    params = [torch.nn.Parameter(torch.zeros(shape)) for shape in shapes]
+    examples = len(samples[0])
+    # Each example alone: what it adds to the sum.
+    for i in range(examples):
+        optimizer = clipping_optimizer(params, clipping, bound)
+        for param, sample in zip(params, samples, strict=True):
+            param.grad_sample = sample[i : i + 1].clone()
+        optimizer.clip_and_accumulate()
+        contribution = [param.summed_grad for param in params]
+        assert_within_bounds(contribution, clipping, bound, layer_bounds_)
+        raw = [sample[i] for sample in samples]
+        if clipping == "global" and not within(raw, bound * (1 + 1e-5)):
+            assert norm64(torch.cat([c.flatten() for c in contribution])) >= bound * (1 - 1e-6)
+        for tensor, c, layer_bound in zip(raw, contribution, layer_bounds_, strict=True):
+            if clipping == "perlayer" and not within([tensor], layer_bound * (1 + 1e-5)):
+                assert norm64(c) >= layer_bound * (1 - 1e-6)
+    # The batch: every example's scaled gradient as stored, and the sum is theirs.
+    optimizer = clipping_optimizer(params, clipping, bound)
+    for param, sample in zip(params, samples, strict=True):
+        param.grad_sample = sample.clone()
+    optimizer.clip_and_accumulate()
+    for i in range(examples):
+        assert_within_bounds([p.grad_sample[i] for p in params], clipping, bound, layer_bounds_)
+    for param in params:
+        assert torch.equal(param.summed_grad, param.grad_sample.sum(dim=0))
+    assert not bool(optimizer.last_clip.nonfinite.any())
+
+
+@pytest.mark.parametrize("clipping", ["global", "perlayer"])
+def test_an_example_with_a_nan_or_inf_gradient_contributes_zeros_and_is_counted(clipping):
+    params = [torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2, 2))]
+    optimizer = clipping_optimizer(params, clipping, 1.0)
+    params[0].grad_sample = torch.tensor([[1.0, 2.0, 2.0], [math.inf, 0.0, 0.0],
+                                          [0.1, 0.0, 0.0]])  # fmt: skip
+    params[1].grad_sample = torch.tensor([[[0.0, 0.0], [0.0, 0.0]], [[1.0, 0.0], [0.0, 0.0]],
+                                          [[math.nan, 0.0], [0.0, 0.0]]])  # fmt: skip
+    optimizer.clip_and_accumulate()
+    assert optimizer.last_clip.nonfinite.tolist() == [False, True, True]
+    assert optimizer.last_clip.clipped == 1  # example 0 (norm 3); the zeroed ones not counted
+    assert torch.equal(params[0].grad_sample[1:2], torch.zeros(1, 3))
+    assert torch.equal(params[1].grad_sample[1:], torch.zeros(2, 2, 2))
+    assert all(bool(torch.isfinite(p.summed_grad).all()) for p in params)
+    assert torch.equal(params[1].summed_grad, torch.zeros(2, 2))
+    expected = torch.tensor([1.0, 2.0, 2.0]) * optimizer.last_clip.factors[0, 0].float()
+    assert torch.equal(params[0].summed_grad, expected)
 
 
 @pytest.mark.parametrize("clipping", ["global", "perlayer"])

@@ -9,7 +9,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pflbench.privacy.clipping import clip_update, layer_bounds, zero_if_nonfinite
+from pflbench.privacy.clipping import (
+    clip_examples,
+    clip_update,
+    layer_bounds,
+    zero_if_nonfinite,
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 INSIDE = 1 - 1e-5  # "inside" means inside by more than the clipping margin
@@ -235,6 +240,54 @@ def test_normalize_sets_every_layer_to_its_bound_when_the_update_is_over_c(updat
         for tensor, layer_bound in zip(result.update.values(), bounds, strict=True):
             assert norm64(tensor) == pytest.approx(layer_bound, rel=4 * eps + 1e-6)
         assert result.changed
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    update=wide_updates(),
+    exponents=st.lists(st.floats(-3.0, 3.0), min_size=1, max_size=5),
+    ratio=bound_ratios,
+    clipping=st.sampled_from(["global", "perlayer"]),
+)
+def test_examples_are_clipped_as_clip_update_clips_each_alone(update, exponents, ratio, clipping):
+    """clip_examples (DP-SGD's per-example clipping): example i's rows get the factors
+    clip_update gives example i alone, and each stays within C (and per layer C_h) exactly, in
+    every dtype down to its subnormal range."""
+    dtype = next(iter(update.values())).dtype
+    if dtype == torch.float16:  # fp16's values stay finite
+        exponents = [e / 3 for e in exponents]
+    examples = [{k: (v.double() * 10**e).to(dtype) for k, v in update.items()} for e in exponents]
+    total = math.sqrt(sum(norm64(t) ** 2 for t in examples[0].values()))
+    bound = max(total * ratio, 1e-8)
+    bounds = layer_bounds([t.numel() for t in update.values()], bound, "dim").tolist()
+    samples = [torch.stack([example[k] for example in examples]) for k in update]
+    result = clip_examples(samples, clipping, bound)
+    assert not result.nonfinite.any()
+    for i, example in enumerate(examples):
+        alone = clip_update(example, clipping, bound)
+        assert torch.allclose(result.factors[i], alone.factors, rtol=1e-12, atol=0)
+        rows = [sample[i] for sample in samples]
+        assert within(rows, bound)
+        if clipping == "perlayer":
+            assert all(within([row], b) for row, b in zip(rows, bounds, strict=True))
+    assert result.clipped == sum(bool((f < 1).any()) for f in result.factors)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("clipping", ["global", "perlayer"])
+def test_an_update_near_the_dtypes_largest_values_is_clipped_exactly(dtype, clipping):
+    # ‖Δ‖ over ~1e38·C makes the factor subnormal in fp32, where its own rounding is absolute
+    # (up to 2^-150): multiplied as fp32 it left ‖Δ‖ 2.3e-6 over C = 0.01. It is scaled in fp64
+    # and rounded toward zero instead.
+    for bound in [1e-3, 0.01, 0.1, 1.0]:
+        for value in [3e38, 1e38, 2e37]:
+            update = {"a": torch.tensor([value, 0.7 * value, -0.3 * value]).to(dtype)}
+            result = clip_update(update, clipping, bound)
+            assert within(result.update.values(), bound), (bound, value)
+            assert norm64(result.update["a"]) >= bound * (1 - 4 * torch.finfo(dtype).eps - 1e-6)
+            samples = [update["a"][None].clone()]
+            clip_examples(samples, clipping, bound)
+            assert within(samples, bound), (bound, value)
 
 
 def test_the_two_rules_by_hand():

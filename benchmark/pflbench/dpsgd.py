@@ -6,14 +6,16 @@ training data, each example's gradient clipped and the sum noised.
                  ĝ     = (Σ_i clip_C(g_i) + N(0, z²C²)) / B              (opacus DPOptimizer)
                  θ    ← the fine_tune optimizer's step with ĝ, at fine_tune's lr schedule
 
-Clipping is opacus': global (DPOptimizer, ‖g_i‖ ≤ C) or per tensor (DPPerLayerOptimizer,
-‖g_i,h‖ ≤ C_h with pflbench's per-layer allocation, privacy.clipping.layer_bounds, over the
-trained tensors). Opacus' hook-based grad samplers cover every parameter of the CTC transformer
-(Linear, Conv1d, LayerNorm; attention is parameter-free); a module without one would get opacus'
-functorch sampler. Every trained tensor must get a per-example gradient: a tensor that has a
-gradient but none per example is an error, never left out of the clipping; a tensor whose module
-did not run (layer drop) has a zero gradient for every example. Frozen tensors (layer freezing)
-are not trained, clipped or noised.
+Clipping is pflbench's, exact (privacy.example_optimizer: opacus' DPOptimizer with its clipping
+replaced): global (‖g_i‖ ≤ C) or per tensor (‖g_i,h‖ ≤ C_h with pflbench's per-layer allocation,
+privacy.clipping.layer_bounds, over the trained tensors), each bound holding for every example's
+scaled gradient as stored in fp32, not only up to rounding; an example whose gradient holds a
+NaN/Inf is zeroed and counted. Opacus' hook-based grad samplers cover every parameter of the CTC
+transformer (Linear, Conv1d, LayerNorm; attention is parameter-free); a module without one would
+get opacus' functorch sampler. Every trained tensor must get a per-example gradient: a tensor
+that has a gradient but none per example is an error, never left out of the clipping; a tensor
+whose module did not run (layer drop) has a zero gradient for every example. Frozen tensors (layer
+freezing) are not trained, clipped or noised.
 
 The Poisson batch is drawn from the step's keyed stream (pflbench.privacy.sampling, the one the
 federated cohorts come from), not by opacus' DPDataLoader, so that a run and its resume draw the
@@ -36,7 +38,6 @@ from pflbench.data.features import spec_augment as apply_spec_augment
 from pflbench.data.store import Utterance
 from pflbench.model.optim import make_central_optimizer
 from pflbench.model.transformer import CTCTransformer, ctc_losses
-from pflbench.privacy.clipping import layer_bounds
 from pflbench.privacy.noise import noise_generator
 from pflbench.privacy.sampling import sample_cohort
 from pflbench.seeds import keyed_seed
@@ -59,7 +60,8 @@ class ExampleDPSGD:
         trained: list[str],
     ):
         from opacus import GradSampleModule
-        from opacus.optimizers import DPOptimizer, DPPerLayerOptimizer
+
+        from pflbench.privacy.example_optimizer import ExactClipDPOptimizer
 
         self.model = model.to(device).train()
         self.utterances = utterances
@@ -77,30 +79,22 @@ class ExampleDPSGD:
         self.module = GradSampleModule(model, batch_first=True, loss_reduction="sum", strict=True)
         inner = make_central_optimizer(model.named_parameters(), self.schedule)
         privacy = recipe.privacy
-        common = {
-            "noise_multiplier": noise_multiplier,
-            "expected_batch_size": batch,
-            "loss_reduction": "mean",  # the noised sum divided by B
-        }
-        if privacy.clipping == "global":
-            self.bounds = None
-            self.optimizer = DPOptimizer(inner, max_grad_norm=privacy.clip_bound, **common)
-        else:
-            sizes = [named[name].numel() for name in trained]
-            by_tensor = dict(zip(trained, layer_bounds(sizes, privacy.clip_bound,
-                                                       privacy.perlayer_mode).tolist(),
-                                 strict=True))  # fmt: skip
-            name_of = {id(param): name for name, param in named.items()}
-            ordered = [by_tensor[name_of[id(p)]] for g in inner.param_groups for p in g["params"]]
-            self.bounds = torch.tensor([by_tensor[name] for name in trained], dtype=torch.float64)
-            self.optimizer = DPPerLayerOptimizer(inner, max_grad_norm=ordered, **common)
-        self.clip_bound = privacy.clip_bound
+        self.optimizer = ExactClipDPOptimizer(
+            inner,
+            clipping=privacy.clipping,
+            clip_bound=privacy.clip_bound,
+            perlayer_mode=privacy.perlayer_mode,
+            noise_multiplier=noise_multiplier,
+            expected_batch_size=batch,
+            loss_reduction="mean",  # the noised sum divided by B
+        )
 
     # ------------------------------------------------------------------------------------------
 
     def run_step(self) -> dict:
-        """One DP-SGD step; returns its loss (mean over the batch), lr, batch size (`examples`)
-        and the fraction of examples clipping scaled down (`clipped`; non-private diagnostics)."""
+        """One DP-SGD step; returns its loss (mean over the batch), lr, batch size (`examples`),
+        the fraction of examples clipping scaled down (`clipped`; a non-private diagnostic) and
+        how many examples were zeroed for a NaN/Inf gradient (`nonfinite`)."""
         step = self.step
         torch.manual_seed(keyed_seed(self.seed, "step", step))  # dropout, CAPE, layer drop
         lr = step_decay_lr(self.schedule, step)
@@ -120,23 +114,25 @@ class ExampleDPSGD:
         opt.generator = noise_generator(self.seed, step, device=self.device)
         augment = torch.Generator().manual_seed(keyed_seed(self.seed, "specaug", step))
         parts = list(chunks(chosen, self.physical_batch)) or [[]]  # an empty batch: noise only
-        loss, clipped = 0.0, 0
+        loss, clipped, nonfinite = 0.0, 0, 0
         for i, part in enumerate(parts):
             if part:
                 loss += self._backward(part, augment)
             else:
                 for param in self.trained:
                     param.grad_sample = param.new_zeros((0, *param.shape))
-            clipped += self._clipped(len(part))
             last = i == len(parts) - 1
             opt.signal_skip_step(do_skip=not last)
             opt.pre_step()  # clips and accumulates; the last part adds the noise and scales
+            clipped += opt.last_clip.clipped
+            nonfinite += int(opt.last_clip.nonfinite.sum())
             if not last:
                 opt.zero_grad(set_to_none=True)  # per-example gradients; the sum is kept
         return {
             "loss": loss / len(chosen) if chosen else None,
             "examples": len(chosen),
             "clipped": clipped / len(chosen) if chosen else None,
+            "nonfinite": nonfinite,
         }
 
     def _backward(self, part: list[int], augment: torch.Generator) -> float:
@@ -156,8 +152,6 @@ class ExampleDPSGD:
             losses.sum().backward()
         for param in self.trained:
             if param.grad_sample is not None:
-                # Under bf16 autocast (CUDA) opacus would measure the norms it clips by in bf16.
-                param.grad_sample = param.grad_sample.to(param.dtype)
                 continue
             if param.grad is not None:  # a gradient, but none per example: never left unclipped
                 raise RuntimeError(
@@ -167,20 +161,6 @@ class ExampleDPSGD:
             # Its module did not run (layer drop): each example's gradient is zero.
             param.grad_sample = param.new_zeros((len(part), *param.shape))
         return float(losses.detach().sum())
-
-    def _clipped(self, examples: int) -> int:
-        """How many of the current per-example gradients clipping will scale down (global: the
-        total norm over C; per layer: some tensor's norm over its C_h)."""
-        if not examples:
-            return 0
-        norms = torch.stack(
-            [p.grad_sample.reshape(examples, -1).norm(dim=1) for p in self.trained], dim=1
-        ).double()
-        if self.bounds is None:
-            over = norms.norm(dim=1) > self.clip_bound
-        else:
-            over = (norms > self.bounds.to(norms.device)).any(dim=1)
-        return int(over.sum())
 
     # ------------------------------------------------------------------------------------------
 

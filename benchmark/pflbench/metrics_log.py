@@ -2,7 +2,7 @@
 
 Lines are the runner's dicts: a training line per central step ({"step", "loss", "epsilon_rdp",
 "lr", "step_seconds", "clients", "nonfinite_updates", "diagnostics", ...}; a DP-SGD step has
-"examples" instead of "clients" and no "nonfinite_updates") and an eval line
+"examples" and "nonfinite_examples" instead of "clients" and "nonfinite_updates") and an eval line
 ({"step", "eval": {set: {"wer", "cer"}}}). A training line's "step" is the step's index, an eval
 line's the number of steps done; TensorBoard's x axis is steps done for both. On resume the log
 restarts from the checkpoint's lines: the JSONL file is rewritten from them and TensorBoard purges
@@ -25,6 +25,7 @@ TRAINING_SCALARS = {
     "train/clients": ("clients",),
     "train/examples": ("examples",),
     "train/nonfinite_updates": ("nonfinite_updates",),
+    "train/nonfinite_examples": ("nonfinite_examples",),
     "privacy/epsilon_rdp": ("epsilon_rdp",),
     "time/step_seconds": ("step_seconds",),
     "diagnostics/clipped_fraction": ("diagnostics", "clipped_fraction"),

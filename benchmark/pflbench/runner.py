@@ -403,6 +403,7 @@ def train_example_dpsgd(p: Prepared) -> Outcome | None:
                     "lr": stats["lr"],
                     "step_seconds": time.perf_counter() - started,
                     "examples": stats["examples"],
+                    "nonfinite_examples": stats["nonfinite"],
                     # from the raw per-example gradients: not private
                     "diagnostics": {"private": False, "clipped_fraction": stats["clipped"]},
                 }

@@ -19,7 +19,13 @@ fp32, bf16, fp16 and fp64 updates of any size, not only up to rounding:
 - That relative margin cannot cover values that land in a dtype's subnormal range, where rounding
   is absolute. A layer whose bound is that small (below sqrt(d)·tiny: fp16 below ~0.09 for a
   2.36M-element layer; fp32/bf16 only below ~1e-35) is scaled in fp64 and rounded toward zero, so
-  no element grows (`_scale_toward_zero`).
+  no element grows (`_scale_toward_zero`). So is a layer whose fp32 factor would itself be
+  subnormal (an update over ~1e38·C, near fp32's largest values), where the factor's own rounding
+  is absolute.
+
+The same rule clips each example's gradient in example-level DP-SGD (`clip_examples`, through
+opacus' optimizer in privacy/example_optimizer.py): `clip_factors` takes the fp64 norms of one
+update [H] or of n examples [n, H] alike, and each example's values are scaled as a layer is.
 """
 
 from __future__ import annotations
@@ -33,7 +39,6 @@ import torch
 from torch import Tensor
 
 UNIT_ROUNDOFF_64 = 2.0**-53
-FP32_MAX = torch.finfo(torch.float32).max
 
 
 @dataclass
@@ -74,12 +79,34 @@ def layer_norms(tensors: Sequence[Tensor]) -> Tensor:
         measured = torch._foreach_norm([tensors[i] for i in narrow], 2, dtype=torch.float64)
         norms[narrow] = torch.stack(measured)
     for i, t in enumerate(tensors):
-        if t.dtype == torch.float64 and t.numel():
-            # Divided by the largest element, no square underflows; an Inf/NaN gives NaN.
-            largest = t.abs().max()
-            # (`largest == 0` is False for a NaN: the norm is NaN, as it must be.)
-            norms[i] = 0.0 if largest == 0 else largest * torch.linalg.vector_norm(t / largest)
+        if t.dtype == torch.float64:
+            norms[i] = _fp64_norms(t.reshape(1, -1))[0]
     return norms
+
+
+def example_norms(grad_samples: Sequence[Tensor]) -> Tensor:
+    """fp64 [n, H]: the L2 norm of each of n examples' values in each of H tensors [n, ...],
+    measured as `layer_norms` measures a layer (exact squares in fp64; NaN/Inf where an example's
+    values hold a NaN/Inf)."""
+    columns = []
+    for sample in grad_samples:
+        flat = sample.reshape(len(sample), sample.shape[1:].numel())
+        if sample.dtype == torch.float64:
+            columns.append(_fp64_norms(flat))
+        else:  # each value cast to fp64 before it is squared
+            columns.append(torch.linalg.vector_norm(flat, dim=1, dtype=torch.float64))
+    return torch.stack(columns, dim=1)
+
+
+def _fp64_norms(rows: Tensor) -> Tensor:
+    """fp64 [n]: the L2 norm of each row of an fp64 [n, d], each row divided by its largest
+    element so that no square underflows; a row holding an Inf/NaN gives NaN."""
+    if rows.shape[1] == 0:
+        return rows.new_zeros(len(rows))
+    largest = rows.abs().amax(dim=1)
+    # (`largest == 0` is False for a NaN: the norm is NaN, as it must be.)
+    divisor = torch.where(largest == 0, 1.0, largest)
+    return largest * torch.linalg.vector_norm(rows / divisor[:, None], dim=1)
 
 
 def measurement_error(numel: int, layers: int) -> float:
@@ -112,88 +139,192 @@ def clip_update(
     """
     if not update:
         raise ValueError("clip_update needs a non-empty update")
-    if not bound > 0:
-        raise ValueError(f"clip bound must be > 0, got {bound}")
-    if perlayer_rule not in ("clip", "normalize"):
-        raise ValueError(f"unknown per-layer rule {perlayer_rule!r}; expected clip or normalize")
     tensors = list(update.values())
     norms = layer_norms(tensors) if norms is None else norms
-    total_norm = float(torch.linalg.vector_norm(norms))
-    margins = torch.tensor(
-        [rounding_margin(t.dtype, t.numel(), len(tensors)) for t in tensors],
-        dtype=torch.float64,
-        device=norms.device,
+    factors = clip_factors(
+        norms,
+        [t.numel() for t in tensors],
+        [t.dtype for t in tensors],
+        clipping,
+        bound,
+        perlayer_mode,
+        perlayer_rule,
     )
-    # A norm measured within its error of the bound may be over it: such a layer is clipped too.
-    errors = [measurement_error(t.numel(), len(tensors)) for t in tensors]
-    over_total = total_norm > bound * (1 - max(errors))
-    if clipping == "none":
-        factors = torch.ones_like(norms)
-        targets = None
-    elif clipping == "global":
-        scale = (1 - float(margins.max())) * bound / max(total_norm, 1e-300)
-        factors = torch.full_like(norms, scale if over_total else 1.0)
-        # Subnormal rounding adds up over all elements against the one bound C.
-        total_size = sum(t.numel() for t in tensors)
-        targets = [(bound, total_size)] * len(tensors)
-    elif clipping == "perlayer":
-        bounds = layer_bounds([t.numel() for t in tensors], bound, perlayer_mode).to(norms.device)
-        aims = (1 - margins) * bounds / norms.clamp_min(1e-300)
-        if perlayer_rule == "clip":
-            tolerance = 1 - torch.tensor(errors, dtype=torch.float64, device=norms.device)
-            factors = torch.where(norms > bounds * tolerance, aims, 1.0)
-        elif over_total:  # normalize: every non-zero layer to (1 - margin) * C_h
-            factors = torch.where(norms > 0, aims, 1.0)
-        else:
-            factors = torch.ones_like(norms)
-        targets = list(zip(bounds.tolist(), (t.numel() for t in tensors), strict=True))
-    else:
-        raise ValueError(f"unknown clipping {clipping!r}; expected none, global or perlayer")
-
     out = tensors if in_place else [t.clone() for t in tensors]
-    if targets is not None:
+    if clipping != "none":
+        targets = scaled_bounds([t.numel() for t in tensors], clipping, bound, perlayer_mode)
         _scale(out, factors, targets)
     return ClipResult(
         update=dict(zip(update.keys(), out, strict=True)),
         norms=norms,
         factors=factors,
-        total_norm=total_norm,
+        total_norm=float(torch.linalg.vector_norm(norms)),
     )
+
+
+def clip_factors(
+    norms: Tensor,
+    sizes: Sequence[int],
+    dtypes: Sequence[torch.dtype],
+    clipping: Literal["none", "global", "perlayer"],
+    bound: float,
+    perlayer_mode: Literal["uniform", "dim"] = "dim",
+    perlayer_rule: Literal["clip", "normalize"] = "clip",
+) -> Tensor:
+    """The factor each layer of an update is scaled by, fp64 like `norms`: [H] for one update
+    (its `layer_norms`), [n, H] for n examples (`example_norms`). `sizes` and `dtypes`: each
+    layer's number of values and dtype (of one example), which its rounding margin depends on.
+    A factor is exactly 1 where the layer is left alone."""
+    if not bound > 0:
+        raise ValueError(f"clip bound must be > 0, got {bound}")
+    if perlayer_rule not in ("clip", "normalize"):
+        raise ValueError(f"unknown per-layer rule {perlayer_rule!r}; expected clip or normalize")
+    layers = len(sizes)
+    margins = torch.tensor(
+        [rounding_margin(dtype, size, layers) for dtype, size in zip(dtypes, sizes, strict=True)],
+        dtype=torch.float64,
+        device=norms.device,
+    )
+    total_norm = torch.linalg.vector_norm(norms, dim=-1, keepdim=True)
+    # A norm measured within its error of the bound may be over it: such a layer is clipped too.
+    errors = [measurement_error(size, layers) for size in sizes]
+    over_total = total_norm > bound * (1 - max(errors))
+    if clipping == "none":
+        return torch.ones_like(norms)
+    if clipping == "global":
+        # (A tensor divides a Python number by multiplying with its reciprocal: one more rounding.)
+        aim = torch.full_like(total_norm, (1 - float(margins.max())) * bound)
+        scale = aim / total_norm.clamp_min(1e-300)
+        return torch.where(over_total, scale, 1.0).expand_as(norms).clone()
+    if clipping == "perlayer":
+        bounds = layer_bounds(sizes, bound, perlayer_mode).to(norms.device)
+        aims = (1 - margins) * bounds / norms.clamp_min(1e-300)
+        if perlayer_rule == "clip":
+            tolerance = 1 - torch.tensor(errors, dtype=torch.float64, device=norms.device)
+            return torch.where(norms > bounds * tolerance, aims, 1.0)
+        # normalize: where the total is over C, every non-zero layer to (1 - margin) * C_h
+        return torch.where(over_total & (norms > 0), aims, 1.0)
+    raise ValueError(f"unknown clipping {clipping!r}; expected none, global or perlayer")
+
+
+def scaled_bounds(
+    sizes: Sequence[int],
+    clipping: Literal["global", "perlayer"],
+    bound: float,
+    perlayer_mode: Literal["uniform", "dim"] = "dim",
+) -> list[tuple[float, int]]:
+    """Per layer, the bound its scaled values must keep and over how many values rounding adds
+    up against it: (C, all values) for every layer under global clipping (subnormal rounding adds
+    up over the whole update against the one bound C), (C_h, d_h) per layer."""
+    if clipping == "global":
+        return [(bound, sum(sizes))] * len(sizes)
+    return list(zip(layer_bounds(sizes, bound, perlayer_mode).tolist(), sizes, strict=True))
+
+
+@dataclass
+class ExampleClip:
+    factors: Tensor  # fp64 [n, H] factor applied to each example's layer (0: a NaN/Inf example)
+    nonfinite: Tensor  # bool [n]: the examples zeroed for holding a NaN/Inf
+
+    @property
+    def clipped(self) -> int:
+        """How many finite examples clipping scaled down (some layer's factor below 1)."""
+        return int(((self.factors < 1).any(dim=1) & ~self.nonfinite).sum())
+
+
+def clip_examples(
+    grad_samples: Sequence[Tensor],
+    clipping: Literal["global", "perlayer"],
+    bound: float,
+    perlayer_mode: Literal["uniform", "dim"] = "dim",
+) -> ExampleClip:
+    """Clip each of n examples' gradients in place: H tensors [n, ...], row i example i's values
+    of that layer; globally to ‖g_i‖ ≤ C or per layer ("clip" rule) to ‖g_i,h‖ ≤ C_h, exactly as
+    `clip_update` clips one update (norms in fp64, the same factors and margins; rows in a
+    dtype's subnormal range, or whose fp32 factor is subnormal, scaled in fp64 and rounded toward
+    zero). An example holding a NaN/Inf becomes zeros, inside every bound."""
+    if not grad_samples:
+        raise ValueError("clip_examples needs at least one tensor")
+    sizes = [sample.shape[1:].numel() for sample in grad_samples]
+    norms = example_norms(grad_samples)
+    nonfinite = ~torch.isfinite(norms).all(dim=1)
+    factors = clip_factors(
+        norms.masked_fill(nonfinite[:, None], 0.0),
+        sizes,
+        [sample.dtype for sample in grad_samples],
+        clipping,
+        bound,
+        perlayer_mode,
+    )
+    factors[nonfinite] = 0.0
+    any_nonfinite = bool(nonfinite.any())
+    targets = scaled_bounds(sizes, clipping, bound, perlayer_mode)
+    for h, (sample, (layer_bound, size)) in enumerate(zip(grad_samples, targets, strict=True)):
+        rows = (-1, *[1] * (sample.ndim - 1))
+        column = factors[:, h].view(rows)
+        if any_nonfinite:  # (0 times an Inf is NaN: these rows are zeroed, not scaled)
+            sample.masked_fill_(nonfinite.view(rows), 0.0)
+        if bool((column == 1).all()):
+            continue
+        if _rounds_relatively(column, layer_bound, size, sample.dtype):
+            sample.mul_(column if sample.dtype == torch.float64 else column.float())
+        else:
+            _scale_toward_zero(sample, column)
+    return ExampleClip(factors=factors, nonfinite=nonfinite)
+
+
+def _rounds_relatively(factors: Tensor, bound: float, size: int, dtype: torch.dtype) -> bool:
+    """Whether scaling values of `dtype` (`size` of them against `bound`) by one multiply with
+    each of `factors` (as fp32; fp64 for fp64 values) rounds within the relative margin: every
+    factor is normal in its dtype (a subnormal fp32 factor, which scales an update over ~1e38·C,
+    is itself rounded absolutely, by up to 2^-150) or exact (1, or 0 for zeroed examples), and
+    the bound keeps the values' own subnormal rounding (absolute, up to tiny·eps/2 each) within
+    its relative margin (bound >= sqrt(size)·tiny)."""
+    factor_type = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)
+    normal = (factors >= factor_type.tiny) & (factors < factor_type.max)
+    exact = (factors == 1) | (factors == 0)
+    return bound >= math.sqrt(size) * torch.finfo(dtype).tiny and bool((normal | exact).all())
 
 
 def _scale(tensors: list[Tensor], factors: Tensor, targets: list[tuple[float, int]]) -> None:
     """Multiply each tensor in place by its factor where that is not 1, the result within its
     target bound (over the given number of elements) exactly.
 
-    In a dtype's normal range rounding is relative and inside the margin: one fused multiply by
-    fp32 factor tensors (fp64 for fp64 tensors; a Python scalar would first be rounded to a
-    half-precision tensor's dtype, and overflow fp16 when a small layer is scaled up). Where a
-    bound is so small that elements can be subnormal (bound < sqrt(size)·tiny), rounding is
-    absolute: there the product is taken in fp64 and rounded toward zero, so no element grows."""
+    Where rounding is relative (`_rounds_relatively`): one fused multiply by fp32 factor tensors
+    (fp64 for fp64 tensors; a Python scalar would first be rounded to a half-precision tensor's
+    dtype, and overflow fp16 when a small layer is scaled up). Elsewhere rounding is absolute:
+    the product is taken in fp64 and rounded toward zero, so no element grows."""
     fast: list[int] = []
     for i, (factor, (bound, size)) in enumerate(zip(factors.tolist(), targets, strict=True)):
         if factor == 1.0:
             continue
         tensor = tensors[i]
-        # (A factor past fp32's range scales a subnormal layer up: that takes the fp64 path too.)
-        if bound >= math.sqrt(size) * torch.finfo(tensor.dtype).tiny and (
-            tensor.dtype == torch.float64 or factor < FP32_MAX
-        ):
+        if _rounds_relatively(torch.tensor(factor, dtype=torch.float64), bound, size, tensor.dtype):
             fast.append(i)
-        elif tensor.dtype == torch.float64:
-            raise ValueError(f"clip bound {bound} is below fp64's normal range for {size} values")
         else:
-            exact = tensor.double() * factor
-            rounded = exact.to(tensor.dtype)
-            away = rounded.double().abs() > exact.abs()
-            toward_zero = torch.nextafter(rounded, torch.zeros_like(rounded))
-            tensor.copy_(torch.where(away, toward_zero, rounded))
+            _scale_toward_zero(tensor, factor)
     if fast:
         as32 = factors.float()
         torch._foreach_mul_(
             [tensors[i] for i in fast],
             [factors[i] if tensors[i].dtype == torch.float64 else as32[i] for i in fast],
         )
+
+
+def _scale_toward_zero(tensor: Tensor, factor: float | Tensor) -> None:
+    """tensor *= factor (a number, or fp64 factors broadcast over it) in place: the product
+    taken in fp64 and rounded toward zero into the tensor's dtype, so that no value grows past
+    the exact product. fp64 tensors have no wider dtype: refused."""
+    if tensor.dtype == torch.float64:
+        raise ValueError(
+            "an fp64 tensor cannot be clipped exactly where its bound is below fp64's normal"
+            " range or its factor is subnormal"
+        )
+    exact = tensor.double() * factor
+    rounded = exact.to(tensor.dtype)
+    away = rounded.double().abs() > exact.abs()
+    toward_zero = torch.nextafter(rounded, torch.zeros_like(rounded))
+    tensor.copy_(torch.where(away, toward_zero, rounded))
 
 
 def zero_if_nonfinite(update: dict[str, Tensor], norms: Tensor | None = None) -> bool:

@@ -7,7 +7,8 @@ which they are (`unit: example` in tasks/budgets.yaml), and records and the lead
 
 The mechanism is opacus' DP-SGD: every step samples each of the N examples independently with
 probability q = B/N (Poisson), clips each sampled example's gradient to L2 norm C (globally, or
-each tensor h to C_h with Σ C_h² = C²), adds N(0, z²C²) to the sum and divides by B. An
+each tensor h to C_h with Σ C_h² = C²; exactly, by pflbench's clipping in opacus' optimizer,
+privacy.example_optimizer), adds N(0, z²C²) to the sum and divides by B. An
 example-level budget is (ε, δ) alone: z is calibrated at the run's own N, q and T by opacus'
 `get_noise_multiplier` with the budget's accountant, and the record's ε is that accountant's for
 (z, q, T, δ), which `pflbench submit` recomputes.
@@ -36,10 +37,11 @@ EPSILON_TOLERANCE = 0.01
 MECHANISM = (
     "example-level DP-SGD (paper 003, opacus): every step samples each of the N training"
     " examples (utterances) independently with probability q = B/N, clips each sampled"
-    " example's gradient to L2 norm C ({clipping}), adds Gaussian noise of std z*C to the sum"
-    " and divides it by the expected batch B; Poisson-subsampled Gaussian mechanism with noise"
-    " multiplier z, composed over T steps. One neighbour differs in one example, not in a user's"
-    " data"
+    " example's gradient to L2 norm C ({clipping}; exactly, as user-level clipping: norms in"
+    " fp64 and a proven rounding margin keep every example's scaled gradient as stored within"
+    " C), adds Gaussian noise of std z*C to the sum and divides it by the expected batch B;"
+    " Poisson-subsampled Gaussian mechanism with noise multiplier z, composed over T steps. One"
+    " neighbour differs in one example, not in a user's data"
 )
 
 
@@ -146,8 +148,8 @@ def check_example_recipe(recipe: Recipe) -> None:
     refusals = {
         "privacy.clipping: none (DP-SGD clips every example's gradient; the unclipped"
         " reference is baseline central)": privacy.clipping == "none",
-        "privacy.perlayer_rule: normalize (opacus' per-layer clipping clips each layer to"
-        " min(‖g_h‖, C_h): perlayer_rule clip)": privacy.clipping == "perlayer"
+        "privacy.perlayer_rule: normalize (example-level per-layer clipping clips each layer"
+        " to min(‖g_h‖, C_h): perlayer_rule clip)": privacy.clipping == "perlayer"
         and privacy.perlayer_rule != "clip",
         "privacy.adaptive_clip": privacy.adaptive_clip is not None,
         "privacy.audit_canaries (the canary audit inserts users)": privacy.audit_canaries > 0,
