@@ -6,6 +6,7 @@ the workers share the session's cache, and each takes its share of the cores' th
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 
 import pytest
@@ -81,6 +82,13 @@ def tiny_corpus_root(tiny_task: Task, tiny_cache_dir: Path, tiny_task_data) -> P
     from pflbench.data.prepare import synth_root
 
     return synth_root(tiny_task, tiny_cache_dir)
+
+
+def free_port() -> int:
+    """A free TCP port for a process group's rendezvous (processes spawned by a test)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def make_algorithm(recipe, model, names: list[str], seed: int = 0, device: str = "cpu",
