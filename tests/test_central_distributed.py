@@ -72,6 +72,7 @@ def test_batch_shares_deal_lengths_round_robin():
     assert batch_shares([4, 2], 1) == [[0, 1]]
 
 
+@pytest.mark.slow
 def test_two_processes_train_the_one_process_seed_model_and_resume_exactly(tmp_path):
     store = tone_store(tmp_path / "store")
     with torch_threads(1):

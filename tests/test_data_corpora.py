@@ -91,6 +91,7 @@ def test_cv_like_clips_come_through_band_limited_microphones(tiny_corpus_root: P
     assert cv_high < 0.5 * ls_high, (cv_high, ls_high)
 
 
+@pytest.mark.slow
 def test_synthesis_is_byte_for_byte_deterministic(tiny_corpus_root: Path, tmp_path: Path) -> None:
     again = synthesize(tmp_path / "again", "en", "tiny", seed=0)
     assert tree_digest(again) == tree_digest(tiny_corpus_root)

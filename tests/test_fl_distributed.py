@@ -56,6 +56,7 @@ def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     shutdown()
 
 
+@pytest.mark.slow
 def test_one_and_two_processes_give_bitwise_identical_models(tmp_path):
     with torch_threads(1):  # one process: this one
         one = _three_steps(init_from_env("cpu"))
@@ -116,6 +117,7 @@ def _stats_worker(rank: int, world_size: int, port: int, out: str) -> None:
     shutdown()
 
 
+@pytest.mark.slow
 def test_step_stats_all_reduce_over_gloo_in_real_processes(tmp_path):
     out = str(tmp_path / "stats.pt")
     mp.spawn(_stats_worker, args=(2, free_port(), out), nprocs=2, join=True)
