@@ -1,10 +1,16 @@
-"""Shared fixtures: a session-wide tiny synthetic corpus and the prepared stores of a tiny task."""
+"""Shared fixtures: a session-wide tiny synthetic corpus and the prepared stores of a tiny task.
+
+pyproject's addopts run the suite on pytest-xdist workers (`-n auto`, `-n 0` for one process):
+the workers share the session's cache, and each takes its share of the cores' threads."""
 
 from __future__ import annotations
 
+import os
+import socket
 from pathlib import Path
 
 import pytest
+import torch
 
 from pflbench.spec.models import DataSource, EvalSet, SyntheticData, Task
 
@@ -27,9 +33,33 @@ def tiny_synth_task(name: str = "synth-tiny-test") -> Task:
     )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """An xdist worker takes its share of the cores' intra-op threads, as a `pflbench sweep --jobs`
+    run does (N workers with all the threads each would oversubscribe the cores); the runs and
+    the processes the tests start read it from OMP_NUM_THREADS."""
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT")
+    if workers:
+        threads = max(1, len(os.sched_getaffinity(0)) // int(workers))
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On xdist workers the tests marked slow go first, so that the workers end together on
+    short tests instead of one finishing a long test alone."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable
+
+
 @pytest.fixture(scope="session")
-def tiny_cache_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("pflbench-cache")
+def tiny_cache_dir(tmp_path_factory: pytest.TempPathFactory, worker_id: str) -> Path:
+    """The session's cache. xdist's workers share one, beside their own temp folders: the first
+    to take prepare_task's lock builds the corpora and stores, the others then reuse them."""
+    if worker_id == "master":
+        return tmp_path_factory.mktemp("pflbench-cache")
+    shared = tmp_path_factory.getbasetemp().parent / "pflbench-cache"
+    shared.mkdir(exist_ok=True)
+    return shared
 
 
 @pytest.fixture(scope="session")
@@ -52,6 +82,13 @@ def tiny_corpus_root(tiny_task: Task, tiny_cache_dir: Path, tiny_task_data) -> P
     from pflbench.data.prepare import synth_root
 
     return synth_root(tiny_task, tiny_cache_dir)
+
+
+def free_port() -> int:
+    """A free TCP port for a process group's rendezvous (processes spawned by a test)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def make_algorithm(recipe, model, names: list[str], seed: int = 0, device: str = "cpu",

@@ -3,12 +3,13 @@ one-process model up to float summation order, and a 2-process run stopped after
 resumed in new processes ends bitwise equal to the uninterrupted one."""
 
 import os
+from pathlib import Path
 
 import pytest
 import torch
 import torch.multiprocessing as mp
+from conftest import free_port
 from test_central import AUGMENT, RECIPE, tone_store
-from test_fl_distributed import _free_port
 
 from pflbench.central import batch_shares, train_central
 from pflbench.data.store import FeatureStore, torch_threads
@@ -40,23 +41,29 @@ def _train(store_path: str, steps: int, resume_dir: str | None, ctx) -> tuple[di
     return model.state_dict(), stats
 
 
-def _worker(rank: int, port: int, store_path: str, steps: int, resume_dir, out: str) -> None:
+def _worker(rank: int, port: int, store_path: str, runs: list, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE="2", LOCAL_RANK=str(rank))  # fmt: skip
     torch.set_num_threads(1)
     ctx = init_from_env("cpu")
-    params, stats = _train(store_path, steps, resume_dir, ctx)
-    torch.save({"params": params, "stats": stats}, f"{out}.{rank}")
+    for i, (steps, resume_dir) in enumerate(runs):
+        params, stats = _train(store_path, steps, resume_dir, ctx)
+        torch.save({"params": params, "stats": stats}, f"{out}.{i}.{rank}")
     shutdown()
 
 
-def _two_processes(store_path, steps: int, out, resume_dir=None) -> dict:
-    args = (_free_port(), str(store_path), steps, resume_dir and str(resume_dir), str(out))
-    mp.spawn(_worker, args=args, nprocs=2, join=True)
-    ranks = [torch.load(f"{out}.{rank}") for rank in range(2)]
-    for name, value in ranks[0]["params"].items():  # the ranks hold one model
-        assert torch.equal(value, ranks[1]["params"][name]), name
-    return ranks[0]
+def _two_processes(store_path, out, *runs: tuple[int, Path | None]) -> list[dict]:
+    """Each run (steps, resume folder or None) one after the other in 2 spawned processes (one
+    process group: spawning them is what costs); rank 0's result of each."""
+    runs_args = [(steps, resume_dir and str(resume_dir)) for steps, resume_dir in runs]
+    mp.spawn(_worker, args=(free_port(), str(store_path), runs_args, str(out)), nprocs=2, join=True)
+    results = []
+    for i in range(len(runs)):
+        ranks = [torch.load(f"{out}.{i}.{rank}") for rank in range(2)]
+        for name, value in ranks[0]["params"].items():  # the ranks hold one model
+            assert torch.equal(value, ranks[1]["params"][name]), name
+        results.append(ranks[0])
+    return results
 
 
 def test_batch_shares_deal_lengths_round_robin():
@@ -65,11 +72,15 @@ def test_batch_shares_deal_lengths_round_robin():
     assert batch_shares([4, 2], 1) == [[0, 1]]
 
 
+@pytest.mark.slow
 def test_two_processes_train_the_one_process_seed_model_and_resume_exactly(tmp_path):
     store = tone_store(tmp_path / "store")
     with torch_threads(1):
         one, one_stats = _train(str(store.path), 4, None, init_from_env("cpu"))
-    two = _two_processes(store.path, 4, tmp_path / "two")
+    resume_dir = tmp_path / "resume"
+    resume_dir.mkdir()
+    # the uninterrupted run, and one stopped after its checkpoint at step 2 ...
+    two, first = _two_processes(store.path, tmp_path / "two", (4, None), (2, resume_dir))
     # float32 sums in another order (each rank's loss sum, then the all-reduce) through 4 steps:
     # measured differences ≤ 6e-8 (one ulp at 1.0); the tolerance is 1e-6 absolute + 1e-5 relative
     for name, value in one.items():
@@ -81,10 +92,8 @@ def test_two_processes_train_the_one_process_seed_model_and_resume_exactly(tmp_p
     initial = build_model("tiny", vocab_size=tokenizer_for("en").size).state_dict()
     assert any((initial[k] - v).abs().max() > 1e-3 for k, v in one.items())
 
-    resume_dir = tmp_path / "resume"
-    resume_dir.mkdir()
-    first = _two_processes(store.path, 2, tmp_path / "first", resume_dir)
-    resumed = _two_processes(store.path, 4, tmp_path / "resumed", resume_dir)
+    # ... resumed in new processes
+    (resumed,) = _two_processes(store.path, tmp_path / "resumed", (4, resume_dir))
     assert first["stats"]["steps_this_run"] == 2 and resumed["stats"]["steps_this_run"] == 2
     for name, value in two["params"].items():
         assert torch.equal(resumed["params"][name], value), name

@@ -25,6 +25,7 @@ from pflbench.data.splits import apply_user_split, iid_reassign, users_digest
 from pflbench.data.store import FeatureStore, build_store
 from pflbench.data.synth import CV_COLUMNS, CV_RELEASE, SIZES, CvUsersUnit, plan_units, synthesize
 from pflbench.errors import UserError
+from pflbench.files import exclusive
 from pflbench.methods import check_task
 from pflbench.spec.models import DataSource, EvalSet, Task
 
@@ -90,6 +91,7 @@ def test_cv_like_clips_come_through_band_limited_microphones(tiny_corpus_root: P
     assert cv_high < 0.5 * ls_high, (cv_high, ls_high)
 
 
+@pytest.mark.slow
 def test_synthesis_is_byte_for_byte_deterministic(tiny_corpus_root: Path, tmp_path: Path) -> None:
     again = synthesize(tmp_path / "again", "en", "tiny", seed=0)
     assert tree_digest(again) == tree_digest(tiny_corpus_root)
@@ -117,12 +119,20 @@ def test_task_data_stores(tiny_task_data, tiny_corpus_root: Path) -> None:
 
 
 def test_prepare_reuses_the_store(
-    tiny_task, tiny_cache_dir: Path, tiny_task_data, monkeypatch: pytest.MonkeyPatch
+    tiny_task, tiny_cache_dir: Path, tiny_task_data, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A copy of what prepare_task built in the session's cache: the tests running beside this
+    # one (other xdist workers) add seed models to that cache.
+    cache = tmp_path / "cache"
+    with exclusive(tiny_cache_dir / "prepare.lock"):
+        for name in ("synth", "features"):
+            shutil.copytree(tiny_cache_dir / name, cache / name)
+        shutil.copy2(tiny_cache_dir / "prepare.lock", cache / "prepare.lock")
+
     def files() -> dict[Path, tuple[int, int, int]]:
         return {
             p: (p.stat().st_ino, p.stat().st_mtime_ns, p.stat().st_size)
-            for p in tiny_cache_dir.rglob("*")
+            for p in cache.rglob("*")
             if p.is_file()
         }
 
@@ -132,11 +142,12 @@ def test_prepare_reuses_the_store(
         store_module, "write_shard", lambda *a: shards_written.append(a[0]) or write_shard(*a)
     )
     before = files()
-    again = prepare_task(tiny_task, cache_dir=tiny_cache_dir, progress=False)
+    again = prepare_task(tiny_task, cache_dir=cache, progress=False)
     # nothing built, rewritten or added: every cached file is the same inode, untouched
     assert shards_written == [] and files() == before
     assert any(p.name.startswith("shard-") for p in before)
-    assert again.federated_train.path == tiny_task_data.federated_train.path
+    built = tiny_task_data.federated_train.path
+    assert again.federated_train.path == cache / built.relative_to(tiny_cache_dir)
     assert again.federated_train.digest == tiny_task_data.federated_train.digest
 
 

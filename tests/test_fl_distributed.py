@@ -3,15 +3,15 @@ torch.distributed, spawned) ends with bitwise identical parameters. The process 
 initializes has a backend for every tensor a step all-reduces (CPU stats, device sums)."""
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from conftest import make_mechanism
+from conftest import free_port, make_mechanism
 from torch.distributed.distributed_c10d import Backend, BackendConfig
 
+from pflbench.data.store import torch_threads
 from pflbench.fl.aggregate import StepAggregator
 from pflbench.fl.bench import RandomUserStore
 from pflbench.fl.distributed import (
@@ -37,35 +37,32 @@ RECIPE = Recipe.model_validate(
 )
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _three_steps(ctx: DistContext) -> dict:
+    torch.manual_seed(0)
+    model = build_model("tiny", 30)
+    store = RandomUserStore(num_users=12, utterances_per_user=4)
+    sim = Simulator(model, store, RECIPE, sigma_dp=0.5, seed=3, device="cpu", ctx=ctx)
+    losses = [sim.run_step()["loss"] for _ in range(3)]
+    return {"params": dict(model.state_dict()), "losses": losses}
 
 
 def _worker(rank: int, world_size: int, port: int, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))  # fmt: skip
     torch.set_num_threads(1)  # the same kernels in every configuration
-    ctx = init_from_env("cpu")
-    torch.manual_seed(0)
-    model = build_model("tiny", 30)
-    store = RandomUserStore(num_users=12, utterances_per_user=4)
-    sim = Simulator(model, store, RECIPE, sigma_dp=0.5, seed=3, device="cpu", ctx=ctx)
-    losses = [sim.run_step()["loss"] for _ in range(3)]
+    result = _three_steps(init_from_env("cpu"))
     if rank == 0:
-        torch.save({"params": dict(model.state_dict()), "losses": losses}, out)
+        torch.save(result, out)
     shutdown()
 
 
-def _run(world_size: int, out: str) -> dict:
-    mp.spawn(_worker, args=(world_size, _free_port(), out), nprocs=world_size, join=True)
-    return torch.load(out)
-
-
+@pytest.mark.slow
 def test_one_and_two_processes_give_bitwise_identical_models(tmp_path):
-    one = _run(1, str(tmp_path / "one.pt"))
-    two = _run(2, str(tmp_path / "two.pt"))
+    with torch_threads(1):  # one process: this one
+        one = _three_steps(init_from_env("cpu"))
+    out = str(tmp_path / "two.pt")
+    mp.spawn(_worker, args=(2, free_port(), out), nprocs=2, join=True)
+    two = torch.load(out)
     assert one["params"].keys() == two["params"].keys()
     for name, value in one["params"].items():
         assert torch.equal(value, two["params"][name]), name
@@ -120,9 +117,10 @@ def _stats_worker(rank: int, world_size: int, port: int, out: str) -> None:
     shutdown()
 
 
+@pytest.mark.slow
 def test_step_stats_all_reduce_over_gloo_in_real_processes(tmp_path):
     out = str(tmp_path / "stats.pt")
-    mp.spawn(_stats_worker, args=(2, _free_port(), out), nprocs=2, join=True)
+    mp.spawn(_stats_worker, args=(2, free_port(), out), nprocs=2, join=True)
     result = torch.load(out)
     stats = result["stats"]
     assert (stats["clients"], stats["local_steps"], stats["frames"]) == (3, 6, 111)
@@ -154,7 +152,7 @@ def test_cuda_process_group_runs_real_steps(tmp_path):
     two federated steps whose CPU stats and GPU sums are all-reduced over it."""
     world_size = min(2, torch.cuda.device_count())
     out = str(tmp_path / "cuda.pt")
-    mp.spawn(_cuda_worker, args=(world_size, _free_port(), out), nprocs=world_size, join=True)
+    mp.spawn(_cuda_worker, args=(world_size, free_port(), out), nprocs=world_size, join=True)
     result = torch.load(out)
     assert device_backends(result["backend"]) == {"cpu": "gloo", "cuda": "nccl"}
     for step in result["stats"]:

@@ -103,6 +103,7 @@ def test_dropout_or_layer_drop_is_refused():
         ParallelClientTrainer(model, names, algorithm, AUGMENT, 0, "cpu", group_size=2)
 
 
+@pytest.mark.slow
 def test_bench_fl_reports_the_parallel_speedup():
     args = ["bench", "fl", "--preset", "tiny", "--cohort", "4", "--local-steps", "1",
             "--parallel-clients", "2", "--json"]  # fmt: skip

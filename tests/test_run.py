@@ -305,6 +305,7 @@ def test_real_task_without_corpora_fails_fast(tmp_path):
     assert "synth" in str(result.exception)
 
 
+@pytest.mark.slow
 def test_a_run_with_more_steps_than_its_budget_is_refused_before_it_starts(tmp_path):
     """eps7.2-high-pop is calibrated for T = 2,034 steps: at 3,000 its ε would be 7.70."""
     proc = _cli("--task", "synth-cv-en-ls-seed", "--baseline", "perlayer-dim",

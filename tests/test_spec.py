@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -41,10 +42,16 @@ PAPER_TASKS = {
 GOLDEN_HASH = "036a46bf29c6d59266300c101b174e92cedf49ed4a46fd09a41b13e8702e4eab"
 
 
+@functools.cache
+def fixture_registry():
+    """Loaded once (the built-in specs are parsed each time): resolve only reads it, and its
+    specs are frozen."""
+    return load_registry([FIXTURE_SPECS])
+
+
 def fixture_config(**kw):
-    reg = load_registry([FIXTURE_SPECS])
     args = dict(task="fixture-task", baseline="fixture-baseline", budget="fixture-budget", seed=1)
-    return resolve(reg, **{**args, **kw})
+    return resolve(fixture_registry(), **{**args, **kw})
 
 
 def test_builtin_specs_load_and_resolve():
