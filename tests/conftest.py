@@ -76,3 +76,9 @@ def make_algorithm(recipe, model, names: list[str], seed: int = 0, device: str =
     algorithm = CLIENT_ALGORITHMS[recipe.algorithm](recipe, context)
     algorithm._test_folder = folder
     return algorithm
+
+
+def largest_users(store, n: int) -> list[tuple[str, list]]:
+    """(user, utterances) of the `n` users of `store` with the most utterances."""
+    users = sorted(store.users(), key=lambda u: (-store.user_num_utterances(u), u))[:n]
+    return [(u, store.load_user(u)) for u in users]
