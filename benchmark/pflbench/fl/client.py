@@ -218,7 +218,7 @@ class ClientTrainer(ABC):
         """Forward and backward of the group (gradients into `update.grads`); returns the [G]
         clients' losses, detached. The clients are independent, so the backward of their sum
         gives each client's slice of the stacked gradient exactly its own gradient."""
-        if self._losses is not self._group_losses:
+        if self.compile_backend is not None:
             # The batch dimensions vary: one graph for all their sizes (and one for a single
             # utterance, which torch.compile always specializes), not one per size.
             for tensor in inputs:
