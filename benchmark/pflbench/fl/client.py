@@ -13,8 +13,9 @@ With a compile backend (`pflbench run --compile`), each local step is two graphs
 torch.compile without graph breaks: the group's loss (forward and CTC; its backward compiled
 with it) and the local update rule (clipping, SGD); on CUDA with CUDA graphs. Batches are then
 padded to a few bucket sizes (data.batching.padded_size) so the graphs see few shapes. The
-algorithm's hooks run eagerly between them. The loop never waits for the device: batches are
-augmented on the host and copied without blocking, and no loop value is read back.
+algorithm's hooks run eagerly between them. The loop itself never waits for the device:
+batches are augmented on the host and copied without blocking, and no loop value is read back
+(aten's CTC kernels do wait on CUDA: they copy lengths from the host, model.transformer).
 """
 
 from __future__ import annotations

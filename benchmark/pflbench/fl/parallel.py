@@ -12,7 +12,10 @@ trainer's global seed, so each update equals the one-at-a-time update up to floa
 padded shapes differ). Dropout and layer drop draw inside the batched model, where no draw can be
 keyed per client, so they must be 0 (as in the small presets). Whether this is faster depends on
 the device and model: `pflbench bench fl --parallel-clients G` measures it against one client at
-a time. It compiles as one client at a time does (fl.client): the vmapped loss is one graph.
+a time. It compiles as one client at a time does (fl.client), the vmapped loss one graph, but
+one per padded shape: vmap's batching rules of the conv and of the concatenation in the CAPE
+embedding fix the batch's sizes, so bucket padding bounds the compilations (beyond
+torch.compile's recompile limit, 8, a new shape runs eagerly).
 """
 
 from __future__ import annotations
