@@ -136,3 +136,9 @@ def make_mechanism(privacy, users, sigma_dp: float = 0.0, cohort: int | None = N
     if clip_bound is not None:
         mechanism.load_state_dict({"clip_bound": torch.tensor(clip_bound, dtype=torch.float64)})
     return mechanism
+
+
+def largest_users(store, n: int) -> list[tuple[str, list]]:
+    """(user, utterances) of the `n` users of `store` with the most utterances."""
+    users = sorted(store.users(), key=lambda u: (-store.user_num_utterances(u), u))[:n]
+    return [(u, store.load_user(u)) for u in users]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 import torch
-from conftest import make_algorithm
+from conftest import largest_users, make_algorithm
 from typer.testing import CliRunner
 
 from pflbench.cli import app
@@ -36,11 +36,6 @@ CLIENT_VARIANTS = {
 }
 
 
-def _clients(store, n: int) -> list[tuple[str, list]]:
-    users = sorted(store.users(), key=lambda u: (-store.user_num_utterances(u), u))[:n]
-    return [(u, store.load_user(u)) for u in users]
-
-
 @pytest.mark.parametrize("variant", sorted(CLIENT_VARIANTS))
 def test_group_updates_equal_one_client_at_a_time(tiny_task_data, variant):
     torch.manual_seed(0)
@@ -48,7 +43,7 @@ def test_group_updates_equal_one_client_at_a_time(tiny_task_data, variant):
     recipe = ClientRecipe(**{"batch_seconds": 6.0, "lr": 0.5, **CLIENT_VARIANTS[variant]})
     names = [n for n, _ in model.named_parameters()][2:]  # some frozen tensors too
     global_params = [dict(model.named_parameters())[n].detach() for n in names]
-    clients = _clients(tiny_task_data.federated_train, 3)
+    clients = largest_users(tiny_task_data.federated_train, 3)
 
     one = SequentialClientTrainer(model, names, make_algorithm(recipe, model, names, seed=7),
                                   AUGMENT, seed=7, device="cpu")  # fmt: skip

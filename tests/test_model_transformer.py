@@ -142,3 +142,13 @@ def test_bench_model_reports_the_weights_it_trained_and_the_kernels_it_ran():
     assert len(first["weights_digest"]) == 16 and first["cpu_seconds_per_step"] > 0
     assert first["kernels"]["aten_capability"] == torch.backends.cpu.get_cpu_capability()
     assert first["kernels"]["onednn_enabled"] == torch.backends.mkldnn.enabled
+
+
+def test_bench_model_times_the_compiled_step_against_the_eager_one():
+    from pflbench.model.bench import bench_model
+
+    figures = bench_model(preset="tiny", steps=2, compile_backend="aot_eager")
+    compiled = figures["compiled"]
+    assert compiled["backend"] == "aot_eager" and len(compiled["weights_digest"]) == 16
+    assert figures["compile_speedup"] == figures["step_seconds"] / compiled["step_seconds"]
+    assert compiled["first_step_seconds"] > compiled["step_seconds"] > 0  # compilation first

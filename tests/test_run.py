@@ -1,6 +1,7 @@
 """`pflbench run` end to end on the tiny synthetic corpora: every baseline writes a valid record,
 kill-and-resume ends in the same model, a NaN client is zeroed and counted, bad input fails fast."""
 
+import dataclasses
 import json
 import math
 import os
@@ -98,7 +99,7 @@ def test_each_baseline_writes_a_valid_record(env, tmp_path, baseline):
     assert record.compute.central_steps == 3 and record.diagnostics.nonfinite_updates == 0
     assert re.fullmatch(r"[0-9a-f]{64}", record.data.digests["seed_model"])  # starting weights
     assert set(record.data.audio_digests) == set(record.data.digests) - {"seed_model"}
-    assert record.compute.intra_op_threads >= 1
+    assert record.compute.intra_op_threads >= 1 and record.compute.compile_backend is None
     # what else decides the numbers: package versions, the CPU and the kernels torch picked
     assert set(NUMERIC_PACKAGES) | {"libsndfile", "libespeak-ng"} <= set(record.software.packages)
     assert record.software.packages["numpy"] == np.__version__
@@ -255,6 +256,23 @@ def test_resuming_with_other_parallel_clients_is_refused(env, tmp_path):
             resume=True,
             options=RunOptions(progress=False, parallel_clients=2),
         )
+
+
+def test_a_compiled_run_says_so_and_resumes_only_compiled(env, tmp_path):
+    config = _config(env, "perlayer-dim")
+    compiled = RunOptions(progress=False, checkpoint_every=1, compile_backend="aot_eager")
+    run_dir = run(config, out_dir=tmp_path / "r",
+                  options=dataclasses.replace(compiled, stop_after=1))  # fmt: skip
+    with pytest.raises(UserError, match="local step aot_eager; .* not eager"):
+        run(config, out_dir=run_dir, resume=True, options=RunOptions(progress=False))
+    args = ["run", "--task", TASK, "--baseline", "perlayer-dim", "--specs", str(env),
+            "--resume", str(run_dir), "--compile"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    # `pflbench` prints a UserError without a traceback and exits 2
+    assert isinstance(result.exception, UserError) and "not inductor" in str(result.exception)
+    run(config, out_dir=run_dir, resume=True, options=compiled)
+    record, _ = load_record(run_dir / "record.json")
+    assert record.compute.compile_backend == "aot_eager" and record.compute.central_steps == 3
 
 
 def test_fedavg_under_a_dp_budget_is_refused(env, tmp_path):

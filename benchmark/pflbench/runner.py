@@ -64,8 +64,10 @@ class RunOptions:
     """How to run, beside what (the RunConfig): none of these changes the config hash.
     `stop_after` ends the process after that many central steps in total without finishing the
     run (for tests and preemption). `parallel_clients` > 1 trains that many clients at once per
-    process (fl.parallel): the same run up to float rounding, faster or not depending on the
-    device (`pflbench bench fl`)."""
+    process (fl.parallel), and `compile_backend` compiles the clients' local step with that
+    torch.compile backend (`--compile`: inductor; fl.client): each the same run up to float
+    rounding, faster or not depending on the device (`pflbench bench fl [--parallel-clients G]
+    [--compile]`). The record states both."""
 
     device: str = "cpu"
     data_root: Path | None = None
@@ -73,6 +75,7 @@ class RunOptions:
     checkpoint_every: int = CHECKPOINT_EVERY
     stop_after: int | None = None
     parallel_clients: int = 1
+    compile_backend: str | None = None
 
 
 @dataclass
@@ -101,6 +104,7 @@ class Outcome:
     meta: dict  # for checkpoints/final.json
     privacy: dict  # the record's privacy claim
     parallel_clients: int = 1
+    compile_backend: str | None = None  # the clients' local step's torch.compile backend
 
 
 def run(
@@ -242,6 +246,7 @@ def train_federated(p: Prepared) -> Outcome | None:
         meta={"kind": "federated", "step": sim.step},
         privacy=privacy,
         parallel_clients=sim.client.group_size,
+        compile_backend=sim.client.compile_backend,
     )
 
 
@@ -270,6 +275,7 @@ def _federated_state(p: Prepared) -> FederatedState:
     sim = Simulator(
         p.model, p.data.federated_train, config.recipe, sigma_dp, config.seed, p.device, p.ctx,
         trained, p.options.parallel_clients, p.run_dir / "user-state",
+        compile_backend=p.options.compile_backend,
     )  # fmt: skip
     if tensors is not None:
         sim.load_state_dict(tensors)
@@ -292,6 +298,7 @@ def _save_federated_checkpoint(p: Prepared, state: FederatedState) -> None:
         "seed_results": state.seed_summary,
         "config_hash": p.config_hash,
         "parallel_clients": p.options.parallel_clients,
+        "compile_backend": p.options.compile_backend,
     }
     save_checkpoint(path, sim.state_dict(), meta)
     prune_checkpoints(p.run_dir, path)
@@ -304,11 +311,17 @@ def _latest_state(run_dir: Path, options: RunOptions) -> tuple[dict | None, dict
     if checkpoint is None:
         return None, {}
     tensors, meta = load_checkpoint(checkpoint)
+    # Groups and compilation change the float rounding: the resumed run would not be the same.
     if meta.get("parallel_clients", 1) != options.parallel_clients:
-        # Groups change the float rounding: the resumed run would not be the same run.
         raise UserError(
             f"{run_dir} was run with --parallel-clients {meta.get('parallel_clients', 1)}; resume"
             f" it with the same value (got {options.parallel_clients})"
+        )
+    was, now = meta.get("compile_backend"), options.compile_backend
+    if was != now:
+        raise UserError(
+            f"{run_dir} was run with the local step {was or 'eager'}; resume it the same way"
+            f" (`--compile`: inductor), not {now or 'eager'}"
         )
     return tensors, meta
 
@@ -488,8 +501,9 @@ def _finish(p: Prepared, outcome: Outcome, wall_seconds: float) -> None:
     )
     steps = [x for x in outcome.lines if "loss" in x]
     compute = compute_info(
-        steps, p.ctx.world_size, p.device, outcome.model, outcome.parallel_clients, wall_seconds
-    )
+        steps, p.ctx.world_size, p.device, outcome.model, outcome.parallel_clients,
+        outcome.compile_backend, wall_seconds,
+    )  # fmt: skip
     record = build_record(
         p.config,
         lines=outcome.lines,

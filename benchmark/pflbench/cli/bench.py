@@ -60,6 +60,11 @@ def register(app: typer.Typer) -> None:
             None, help="Model preset (default: synth-cpu on CPU, paper-255m on CUDA)."
         ),
         steps: int = typer.Option(None, min=1, help="Timed steps (default: 4 on CPU, 10 on CUDA)."),
+        compile_step: bool = typer.Option(
+            False,
+            "--compile",
+            help="Also time the step under torch.compile (speed-up, compile time).",
+        ),
         as_json: bool = JsonOption,
     ) -> None:
         """Training throughput (s of audio per s); on CUDA also MFU in bf16; on CPU also CPU
@@ -68,7 +73,8 @@ def register(app: typer.Typer) -> None:
 
         check_device(device)
         preset = preset or ("paper-255m" if device.startswith("cuda") else "synth-cpu")
-        figures = bench_model(device=device, preset=preset, steps=steps)
+        backend = "inductor" if compile_step else None
+        figures = bench_model(device=device, preset=preset, steps=steps, compile_backend=backend)
         _print(f"model {preset} on {device}", figures, as_json)
 
     @bench.command("fl")
@@ -87,6 +93,12 @@ def register(app: typer.Typer) -> None:
         ),
         dropout: float = typer.Option(None, help="Override the preset's dropout (e.g. 0)."),
         layer_drop: float = typer.Option(None, help="Override the preset's layer drop."),
+        compile_step: bool = typer.Option(
+            False,
+            "--compile",
+            help="Compile the local step (torch.compile; CUDA graphs on CUDA) and time it against"
+            " the eager step (speed-up, compile time).",
+        ),
         as_json: bool = JsonOption,
     ) -> None:
         """Local-step time, MFU, time per central step, overhead outside client training,
@@ -96,8 +108,9 @@ def register(app: typer.Typer) -> None:
         check_device(device)
         preset = preset or ("paper-255m" if device.startswith("cuda") else "synth-cpu")
         figures = bench_fl(
-            preset, device, cohort, local_steps, parallel_clients, dropout, layer_drop
-        )
+            preset, device, cohort, local_steps, parallel_clients, dropout, layer_drop,
+            compile_backend="inductor" if compile_step else None,
+        )  # fmt: skip
         _print(f"federated step, {preset} on {device}", figures, as_json)
 
     @bench.command("results")

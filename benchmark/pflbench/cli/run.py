@@ -122,6 +122,13 @@ def register(app: typer.Typer) -> None:
             help="Clients trained at once per process (vmap; small models without dropout; "
             "`pflbench bench fl --parallel-clients G` says whether it is faster).",
         ),
+        compile_step: bool = typer.Option(
+            False,
+            "--compile/--no-compile",
+            help="Compile the clients' local step with torch.compile (inductor; CUDA graphs on "
+            "CUDA): the same run up to float rounding, stated in the record; `pflbench bench fl"
+            " --compile` says whether it is faster.",
+        ),
         audit_canaries: int = typer.Option(
             0,
             "--audit-canaries",
@@ -164,6 +171,7 @@ def register(app: typer.Typer) -> None:
                 progress=progress,
                 checkpoint_every=checkpoint_every,
                 parallel_clients=parallel_clients,
+                compile_backend="inductor" if compile_step else None,
             ),
         )
         if int(os.environ.get("RANK", "0")) == 0:

@@ -8,24 +8,35 @@ variational noise, the data limit, SCAFFOLD, plug-ins) are called here, once for
 randomness (batch order, data limit, SpecAugment, dropout/CAPE/layer drop, variational noise) is
 keyed by (seed, step, user), so a client's update does not depend on where, when or with whom it
 trains.
+
+With a compile backend (`pflbench run --compile`), each local step is two graphs of
+torch.compile without graph breaks: the group's loss (forward and CTC; its backward compiled
+with it) and the local update rule (clipping, SGD); on CUDA with CUDA graphs. Batches are then
+padded to a few bucket sizes (data.batching.padded_size) so the graphs see few shapes. The
+algorithm's hooks run eagerly between them. The loop itself never waits for the device:
+batches are augmented on the host and copied without blocking, and no loop value is read back
+(aten's CTC kernels do wait on CUDA: they copy lengths from the host, model.transformer).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-from pflbench.data.batching import Batch, collate, dynamic_batches
+from pflbench.data.batching import Batch, collate, dynamic_batches, padded_size
 from pflbench.data.features import spec_augment
 from pflbench.data.store import Utterance
 from pflbench.fl.algorithms import ClientAlgorithm
 from pflbench.fl.local_update import LocalUpdate
-from pflbench.model.transformer import ctc_loss
+from pflbench.model.transformer import cape_positions, ctc_losses
 from pflbench.seeds import keyed_generator, keyed_seed
 from pflbench.spec.models import ClientRecipe, SpecAugmentRecipe
 
@@ -77,6 +88,27 @@ def plan_client(
     )
 
 
+class GroupInputs(NamedTuple):
+    """A local step's inputs for G clients, padded to common shapes [G, B, ...]."""
+
+    feats: torch.Tensor  # [G, B, T, n_mels]
+    feat_lens: torch.Tensor  # [G, B]
+    positions: torch.Tensor  # [G, B, T'] CAPE positions (output frames)
+    targets: torch.Tensor  # [G, B, L]
+    target_lens: torch.Tensor  # [G, B]
+    weights: torch.Tensor  # [G, B]: 1/b for a client's b utterances, 0 for padding
+
+
+def step_compiler(backend: str | None, device: str) -> Callable[[Callable], Callable] | None:
+    """torch.compile with `backend` (None: run eagerly), with CUDA graphs on CUDA (inductor's
+    reduce-overhead: the eager step is launch-bound there)."""
+    if backend is None:
+        return None
+    cuda = str(device).startswith("cuda")
+    mode = "reduce-overhead" if cuda and backend == "inductor" else None
+    return functools.partial(torch.compile, backend=backend, mode=mode)
+
+
 def clock(device: str, synchronize: bool) -> float:
     """perf_counter, after waiting for the device's queued work when asked (CUDA is async)."""
     if synchronize and str(device).startswith("cuda"):
@@ -91,10 +123,14 @@ class ClientTrainer(ABC):
     of the local update rule (fl.local_update) on the trained tensors stacked [G, ...], with the
     client algorithm's hooks (fl.algorithms) around them.
 
-    A trainer says only how the group's forward and backward run (`_forward_backward`, on the
-    inputs `_group_inputs` builds) and how the model's own draws (dropout, CAPE, layer drop) are
-    keyed (`_key_model_draws`). One trainer per process holds one local model and its buffers;
-    every group reuses them, so memory does not grow with the cohort."""
+    A trainer says only how the group's losses are computed (`_group_losses`, on the inputs
+    `_group_inputs` builds) and how the model's own draws (dropout, CAPE, layer drop) are keyed
+    (`_key_model_draws`). One trainer per process holds one local model and its buffers;
+    every group reuses them, so memory does not grow with the cohort.
+
+    `compile_backend` compiles the step (module docstring); `pad_to_buckets` (default: when
+    compiled) pads batches to bucket sizes: the same updates up to float rounding, since the
+    model masks padded frames and padding utterances weigh 0."""
 
     def __init__(
         self,
@@ -106,6 +142,8 @@ class ClientTrainer(ABC):
         device: str,
         params: list[torch.Tensor],
         grads: list[torch.Tensor],
+        compile_backend: str | None = None,
+        pad_to_buckets: bool | None = None,
     ):
         """`model`: this trainer's own copy; `params`/`grads`: its trained tensors and their
         gradients as [G, ...] views (what its forward reads and its backward accumulates into)."""
@@ -114,8 +152,14 @@ class ClientTrainer(ABC):
         self.algorithm = algorithm
         self.recipe, self.augment = algorithm.recipe, spec_augment_recipe
         self.seed, self.device = seed, device
-        self.update = LocalUpdate(params, grads, self.recipe)
+        self.compile_backend = compile_backend
+        compiler = step_compiler(compile_backend, device)
+        self.pad_to_buckets = compiler is not None if pad_to_buckets is None else pad_to_buckets
+        self.update = LocalUpdate(params, grads, self.recipe, compiler)
         self.group_size = self.update.group_size
+        self._losses = compiler(self._group_losses) if compiler else self._group_losses
+        # CAPE draws per slot: None draws from the global RNG (seeded by _key_model_draws)
+        self._position_generators: list[torch.Generator | None] = [None] * self.group_size
         # Seconds in forward/backward/local update, for `pflbench bench fl`. On CUDA they are
         # only meaningful with `synchronize=True`, which costs a host sync per local step.
         self.compute_seconds = 0.0
@@ -127,17 +171,63 @@ class ClientTrainer(ABC):
 
     @abstractmethod
     def _key_model_draws(self, plans: list[ClientPlan]) -> None:
-        """Seed the model's own random draws of the group's clients from their `model_seed`."""
+        """Seed the model's own random draws of the group's clients from their `model_seed`
+        (CAPE's: `_position_generators`)."""
 
     @abstractmethod
-    def _group_inputs(self, batches: dict[int, tuple[Batch, torch.Tensor]]):
-        """The forward's inputs from {slot: (batch, augmented feats)} of the clients that take a
-        local step now (on the device)."""
+    def _group_losses(self, *inputs: torch.Tensor) -> torch.Tensor:
+        """The [G] clients' mean losses over their real utterances from the GroupInputs (what
+        `compile_backend` compiles): tensor operations only."""
 
-    @abstractmethod
-    def _forward_backward(self, inputs) -> torch.Tensor:
+    def _group_inputs(self, batches: dict[int, Batch]) -> GroupInputs:
+        """The inputs of the clients taking a local step now, {slot: batch (augmented, on the
+        device)}: each padded to the group's largest batch, or with `pad_to_buckets` to the
+        bucket sizes above it (targets to the output frames); empty slots and padding rows hold
+        weight-0 dummy utterances (full length, no target: a finite loss, so 0 · loss adds
+        nothing to any gradient). CAPE positions are drawn at each client's own batch shape, so
+        padding moves no draw."""
+        G, cfg, dev = self.group_size, self.model.cfg, self.device
+        B = max(b.feats.shape[0] for b in batches.values())
+        T = max(b.feats.shape[1] for b in batches.values())
+        L = max(1, max(b.targets.shape[1] for b in batches.values()))
+        if self.pad_to_buckets:
+            B, T = padded_size(B), padded_size(T)
+        out_frames = int(self.model.output_lengths(torch.tensor(T)))
+        if self.pad_to_buckets:  # targets as wide as CTC can align: no shape of their own
+            L = max(L, out_frames)
+        feats = torch.zeros(G, B, T, cfg.n_mels, device=dev)
+        feat_lens = torch.full((G, B), T, dtype=torch.int64, device=dev)
+        positions = torch.zeros(G, B, out_frames, device=dev)
+        targets = torch.zeros(G, B, L, dtype=torch.int64, device=dev)
+        target_lens = torch.zeros(G, B, dtype=torch.int64, device=dev)
+        weights = torch.zeros(G, B, device=dev)
+        for g, batch in batches.items():
+            b, t = batch.feats.shape[:2]
+            feats[g, :b, :t] = batch.feats
+            feat_lens[g, :b] = batch.feat_lens
+            own_lens = self.model.output_lengths(batch.feat_lens)
+            own_frames = int(self.model.output_lengths(torch.tensor(t)))
+            positions[g, :b, :own_frames] = cape_positions(
+                own_lens, own_frames, cfg, True, generator=self._position_generators[g]
+            )
+            targets[g, :b, : batch.targets.shape[1]] = batch.targets
+            target_lens[g, :b] = batch.target_lens
+            weights[g, :b] = 1.0 / b
+        return GroupInputs(feats, feat_lens, positions, targets, target_lens, weights)
+
+    def _forward_backward(self, inputs: GroupInputs) -> torch.Tensor:
         """Forward and backward of the group (gradients into `update.grads`); returns the [G]
-        clients' losses, detached."""
+        clients' losses, detached. The clients are independent, so the backward of their sum
+        gives each client's slice of the stacked gradient exactly its own gradient."""
+        if self.compile_backend is not None:
+            # The batch dimensions vary: one graph for all their sizes (and one for a single
+            # utterance, which torch.compile always specializes), not one per size.
+            for tensor in inputs:
+                for dim in range(1, tensor.dim() - (tensor is inputs.feats)):
+                    torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        losses = self._losses(*inputs)
+        losses.sum().backward()
+        return losses.detach()
 
     def train_group(
         self,
@@ -173,13 +263,12 @@ class ClientTrainer(ABC):
             for g in active:
                 plan = plans[g]
                 batch = collate([plan.utterances[i] for i in plan.schedule[k]])
-                frames[g] += int(batch.feat_lens.sum())  # before the copy: no device sync
-                batch = batch.to(self.device)
-                feats = batch.feats
-                if self.augment.enabled:
+                frames[g] += int(batch.feat_lens.sum())
+                if self.augment.enabled:  # on the host, before the copy: no device sync
                     args = augment_args(self.augment)
-                    feats = spec_augment(feats, batch.feat_lens, plan.generator, **args)
-                batches[g] = (batch, feats)
+                    feats = spec_augment(batch.feats, batch.feat_lens, plan.generator, **args)
+                    batch = dataclasses.replace(batch, feats=feats)
+                batches[g] = batch.to(self.device, non_blocking=True)
             inputs = self._group_inputs(batches)
             started = clock(self.device, self.synchronize)
             algorithm.perturb(self.update, active)
@@ -188,8 +277,6 @@ class ClientTrainer(ABC):
             algorithm.unperturb(self.update)
             algorithm.correct(self.update)
             self.update.step(idle)
-            if idle:
-                losses[idle] = 0.0
             total_loss += losses  # no host sync per local step
             self.compute_seconds += clock(self.device, self.synchronize) - started
 
@@ -224,6 +311,8 @@ class SequentialClientTrainer(ClientTrainer):
         spec_augment_recipe: SpecAugmentRecipe,
         seed: int,
         device: str,
+        compile_backend: str | None = None,
+        pad_to_buckets: bool | None = None,
     ):
         model = copy.deepcopy(global_model).to(device)
         named = dict(model.named_parameters())
@@ -236,6 +325,7 @@ class SequentialClientTrainer(ClientTrainer):
             model, trained, algorithm, spec_augment_recipe, seed, device,
             params=[p.detach().unsqueeze(0) for p in leaves],
             grads=[p.grad.unsqueeze(0) for p in leaves],
+            compile_backend=compile_backend, pad_to_buckets=pad_to_buckets,
         )  # fmt: skip
 
     @torch.no_grad()
@@ -243,17 +333,15 @@ class SequentialClientTrainer(ClientTrainer):
         self.model.load_state_dict(global_model.state_dict())
 
     def _key_model_draws(self, plans: list[ClientPlan]) -> None:
-        torch.manual_seed(plans[0].model_seed)  # dropout, CAPE, layer drop
+        # CAPE (drawn first, by _group_inputs), then dropout and layer drop in the forward
+        torch.manual_seed(plans[0].model_seed)
 
-    def _group_inputs(self, batches: dict[int, tuple[Batch, torch.Tensor]]):
-        return batches[0]
-
-    def _forward_backward(self, inputs: tuple[Batch, torch.Tensor]) -> torch.Tensor:
-        batch, feats = inputs
-        log_probs, out_lens = self.model(feats, batch.feat_lens)
-        loss = ctc_loss(log_probs, out_lens, batch.targets, batch.target_lens)
-        loss.backward()
-        return loss.detach().view(1)
+    def _group_losses(self, feats, feat_lens, positions, targets, target_lens, weights):
+        log_probs, out_lens = self.model(feats[0], feat_lens[0], positions[0])
+        per_utterance = ctc_losses(log_probs, out_lens, targets[0], target_lens[0])
+        if self.pad_to_buckets:  # padding rows weigh 0
+            return (per_utterance * weights[0]).sum().view(1)
+        return per_utterance.mean().view(1)
 
 
 def augment_args(recipe: SpecAugmentRecipe) -> dict:

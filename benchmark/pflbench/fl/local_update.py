@@ -11,10 +11,13 @@ and the client's update is Δ_g = θ_global − θ_g. The trainers (fl.client, f
 forward and backward and the algorithm's hooks; `LocalUpdate` holds the group's tensors and does
 the rest, in place. For G = 1 every operation is the one `clip_grad_norm_(foreach=True)` and a
 foreach SGD step perform on the unstacked tensors, so one client at a time gives bitwise the same
-update.
+update. Given a `compiler` (torch.compile with the trainer's settings), the clipping and the SGD
+step run as one compiled graph: torch operations only, no host sync.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -27,7 +30,13 @@ class LocalUpdate:
     Algorithms read `global_params` (broadcast [G, ...] views of the global weights) and may use
     `delta` (per client: `delta_slots`) as scratch during the local steps."""
 
-    def __init__(self, params: list[torch.Tensor], grads: list[torch.Tensor], recipe: ClientRecipe):
+    def __init__(
+        self,
+        params: list[torch.Tensor],
+        grads: list[torch.Tensor],
+        recipe: ClientRecipe,
+        compiler: Callable[[Callable], Callable] | None = None,
+    ):
         self.params, self.grads, self.recipe = params, grads, recipe
         self.group_size = params[0].shape[0]
         self.delta = [torch.empty_like(p) for p in params]  # Δ at the end
@@ -35,6 +44,9 @@ class LocalUpdate:
         self.grad_slots = [[g[i] for g in grads] for i in range(self.group_size)]
         self.delta_slots = [[d[i] for d in self.delta] for i in range(self.group_size)]
         self.global_params: list[torch.Tensor] = []
+        self._clip_and_descend = (
+            compiler(self.clip_and_descend) if compiler else self.clip_and_descend
+        )
 
     @torch.no_grad()
     def start(self, global_params: list[torch.Tensor]) -> None:
@@ -54,6 +66,11 @@ class LocalUpdate:
         an empty slot) get a zero gradient: not even a NaN of a padding slot can move them."""
         if idle:
             torch._foreach_zero_([g for i in idle for g in self.grad_slots[i]])
+        self._clip_and_descend()
+
+    @torch.no_grad()
+    def clip_and_descend(self) -> None:
+        """Each client's gradient clipped to C_loc, then the SGD step (every client)."""
         norms = torch._foreach_norm([g for slot in self.grad_slots for g in slot])
         total = torch.linalg.vector_norm(torch.stack(norms).view(self.group_size, -1), dim=1)
         coef = torch.clamp(self.recipe.grad_clip / (total + 1e-6), max=1.0)

@@ -12,7 +12,10 @@ trainer's global seed, so each update equals the one-at-a-time update up to floa
 padded shapes differ). Dropout and layer drop draw inside the batched model, where no draw can be
 keyed per client, so they must be 0 (as in the small presets). Whether this is faster depends on
 the device and model: `pflbench bench fl --parallel-clients G` measures it against one client at
-a time.
+a time. It compiles as one client at a time does (fl.client), the vmapped loss one graph, but
+one per padded shape: vmap's batching rules of the conv and of the concatenation in the CAPE
+embedding fix the batch's sizes, so bucket padding bounds the compilations (beyond
+torch.compile's recompile limit, 8, a new shape runs eagerly).
 """
 
 from __future__ import annotations
@@ -25,11 +28,10 @@ import torch
 from torch.func import functional_call, vmap
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from pflbench.data.batching import Batch
 from pflbench.errors import UserError
 from pflbench.fl.algorithms import ClientAlgorithm
-from pflbench.fl.client import ClientPlan, ClientTrainer
-from pflbench.model.transformer import cape_positions, ctc_losses
+from pflbench.fl.client import ClientPlan, ClientTrainer, GroupInputs
+from pflbench.model.transformer import ctc_losses
 from pflbench.spec.models import SpecAugmentRecipe
 
 
@@ -45,6 +47,8 @@ class ParallelClientTrainer(ClientTrainer):
         seed: int,
         device: str,
         group_size: int,
+        compile_backend: str | None = None,
+        pad_to_buckets: bool | None = None,
     ):
         cfg = global_model.cfg
         if cfg.dropout or cfg.layer_drop:
@@ -67,9 +71,9 @@ class ParallelClientTrainer(ClientTrainer):
             model, trained, algorithm, spec_augment_recipe, seed, device,
             params=[p.detach() for p in self.stacked],
             grads=[p.grad for p in self.stacked],
+            compile_backend=compile_backend, pad_to_buckets=pad_to_buckets,
         )  # fmt: skip
         self._forward = vmap(self._client_forward)
-        self._position_generators: list[torch.Generator] = []
 
     def _client_forward(self, params, feats, feat_lens, positions):
         tensors = {**dict(zip(self.names, params, strict=True)), **self.frozen}
@@ -87,50 +91,23 @@ class ParallelClientTrainer(ClientTrainer):
             torch.Generator(self.device).manual_seed(p.model_seed) for p in plans
         ]
 
-    def _group_inputs(self, batches: dict[int, tuple[Batch, torch.Tensor]]) -> tuple:
-        """The group's inputs [G, B, ...], padded; empty slots hold weight-0 dummy utterances
-        (full length, no target: a finite loss, so 0 · loss adds nothing to any gradient)."""
-        G, cfg, dev = self.group_size, self.model.cfg, self.device
-        B = max(b.feats.shape[0] for b, _ in batches.values())
-        T = max(b.feats.shape[1] for b, _ in batches.values())
-        L = max(b.targets.shape[1] for b, _ in batches.values())
-        out_frames = int(self.model.output_lengths(torch.tensor(T)))
-        feats = torch.zeros(G, B, T, cfg.n_mels, device=dev)
-        feat_lens = torch.full((G, B), T, dtype=torch.int64, device=dev)
-        positions = torch.zeros(G, B, out_frames, device=dev)
-        targets = torch.zeros(G, B, max(L, 1), dtype=torch.int64, device=dev)
-        target_lens = torch.zeros(G, B, dtype=torch.int64, device=dev)
-        weights = torch.zeros(G, B, device=dev)
-        for g, (batch, augmented) in batches.items():
-            b, t = augmented.shape[:2]
-            feats[g, :b, :t] = augmented
-            feat_lens[g, :b] = batch.feat_lens
-            own_lens = self.model.output_lengths(batch.feat_lens)
-            own_frames = int(self.model.output_lengths(torch.tensor(t)))
-            positions[g, :b, :own_frames] = cape_positions(
-                own_lens, own_frames, cfg, True, generator=self._position_generators[g]
-            )
-            targets[g, :b, : batch.targets.shape[1]] = batch.targets
-            target_lens[g, :b] = batch.target_lens
-            weights[g, :b] = 1.0 / b
-        return feats, feat_lens, positions, targets, target_lens, weights
+    def _group_losses(self, feats, feat_lens, positions, targets, target_lens, weights):
+        log_probs, out_lens = self._forward(self.stacked, feats, feat_lens, positions)
+        per_utterance = ctc_losses(
+            log_probs.flatten(0, 1),
+            out_lens.flatten(),
+            targets.flatten(0, 1),
+            target_lens.flatten(),
+        )
+        losses = (per_utterance.view_as(weights) * weights).sum(1)
+        # An empty slot's loss is 0, even where its dummy utterance's is not finite.
+        return torch.where(weights.any(1), losses, 0.0)
 
-    def _forward_backward(self, inputs: tuple) -> torch.Tensor:
-        """Each client's mean loss over its real utterances, [G]; backward of their sum."""
-        feats, feat_lens, positions, targets, target_lens, weights = inputs
+    def _forward_backward(self, inputs: GroupInputs) -> torch.Tensor:
         # The fused CUDA attention kernels reject the strides vmap hands them in the backward
         # ("LSE is not correctly aligned"); the math kernel is plain ops that vmap batches.
         cuda = str(self.device).startswith("cuda")
         with warnings.catch_warnings(), sdpa_kernel(SDPBackend.MATH) if cuda else nullcontext():
             # vmap loops over ops without batching rules (e.g. SDPA's backward on CPU)
             warnings.filterwarnings("ignore", message=".*performance drop.*")
-            log_probs, out_lens = self._forward(self.stacked, feats, feat_lens, positions)
-            per_utterance = ctc_losses(
-                log_probs.flatten(0, 1),
-                out_lens.flatten(),
-                targets.flatten(0, 1),
-                target_lens.flatten(),
-            )
-            losses = (per_utterance.view_as(weights) * weights).sum(1)
-            losses.sum().backward()
-        return losses.detach()
+            return super()._forward_backward(inputs)

@@ -80,7 +80,8 @@ def update_bound(algorithm: ClientAlgorithm, max_user_utterances: int) -> float:
 class Simulator:
     """Owns the global model's trained tensors, the privacy mechanism, the client algorithm and
     trainer, and the server optimizer. `user_state_dir` keeps the users' algorithm state (a
-    temporary folder if None)."""
+    temporary folder if None); `compile_backend` compiles the clients' local step (fl.client;
+    None: eager)."""
 
     def __init__(
         self,
@@ -94,6 +95,7 @@ class Simulator:
         trained: list[str] | None = None,
         parallel_clients: int = 1,
         user_state_dir: Path | None = None,
+        compile_backend: str | None = None,
     ):
         self.model = model.to(device)
         self.store, self.recipe = store, recipe
@@ -129,9 +131,11 @@ class Simulator:
         self.algorithm = CLIENT_ALGORITHMS[fed.client.algorithm](fed.client, context)
         client_args = (model, self.names, self.algorithm, recipe.spec_augment, seed, device)
         self.client: ClientTrainer = (
-            SequentialClientTrainer(*client_args)
+            SequentialClientTrainer(*client_args, compile_backend=compile_backend)
             if parallel_clients == 1
-            else ParallelClientTrainer(*client_args, group_size=parallel_clients)
+            else ParallelClientTrainer(
+                *client_args, group_size=parallel_clients, compile_backend=compile_backend
+            )
         )
         self.server = ServerOptimizer(fed.server, self.names, self.params)
         counts = [store.user_num_utterances(u) for u in self.users]

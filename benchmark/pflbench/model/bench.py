@@ -6,7 +6,10 @@ forward runs (1 − p) of the blocks on average, and that is what MFU is compute
 also gives the process's CPU seconds per step (wall time is unusable on a shared machine), the
 digest of the trained weights and the kernels torch ran (pflbench.numerics): two machines, or two
 settings of ATEN_CPU_CAPABILITY / MKL_CBWR / ONEDNN_MAX_CPU_ISA, with the same digest computed
-the same floats.
+the same floats. With a compile backend (`--compile`: inductor), the same steps again with
+torch.compile (CUDA graphs on CUDA) on the loss (forward and CTC, the backward compiled with it)
+and on the optimizer step: their times, the first step's (compilation included) and the
+speed-up over eager.
 """
 
 from __future__ import annotations
@@ -38,16 +41,16 @@ def device_label(device: str) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
-def bench_model(device: str = "cpu", preset: str = "synth-cpu", steps: int | None = None) -> dict:
-    """One central-training step (forward, CTC, backward, optimizer) timed over `steps`."""
+def timed_training(
+    device: str, preset: str, batch_seconds: float, steps: int, compile_backend: str | None
+) -> tuple[torch.nn.Module, dict]:
+    """The model trained for 1 + `steps` steps on one random batch, and the time they took."""
     from pflbench.model.optim import make_central_optimizer
-    from pflbench.numerics import cpu_kernels
     from pflbench.spec.models import CentralRecipe
 
     cuda = device.startswith("cuda")
-    batch_seconds, utt_seconds = (120.0 if cuda else 60.0), 5.0
+    utt_seconds = 5.0
     batch, frames_in = int(batch_seconds / utt_seconds), int(utt_seconds * 100)
-    steps = steps or (10 if cuda else 4)
     torch.manual_seed(0)
     model = build_model(preset, vocab_size=30).to(device).train()
     opt = make_central_optimizer(model.named_parameters(), CentralRecipe())
@@ -56,27 +59,62 @@ def bench_model(device: str = "cpu", preset: str = "synth-cpu", steps: int | Non
     targets = torch.randint(1, 30, (batch, int(utt_seconds * 15)), device=device)
     target_lens = torch.full((batch,), targets.shape[1], device=device)
 
-    def step() -> None:
+    def loss() -> torch.Tensor:
         log_probs, out_lens = model(feats, feat_lens)
-        ctc_loss(log_probs, out_lens, targets, target_lens).backward()
-        opt.step()
+        return ctc_loss(log_probs, out_lens, targets, target_lens)
+
+    optimizer_step = opt.step
+    if compile_backend is not None:
+        mode = "reduce-overhead" if cuda and compile_backend == "inductor" else None
+        loss = torch.compile(loss, backend=compile_backend, mode=mode)
+        optimizer_step = torch.compile(opt.step, backend=compile_backend, mode=mode)
+
+    def step() -> None:
+        loss().backward()
+        optimizer_step()
         opt.zero_grad(set_to_none=True)
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
 
-    step()  # warm-up: allocations, kernels
+    t0 = time.perf_counter()
+    step()  # warm-up: allocations, kernels (and compilation)
     sync()
+    first_step_seconds = time.perf_counter() - t0
     t0, cpu0 = time.perf_counter(), time.process_time()
     for _ in range(steps):
         step()
     sync()
-    step_seconds = (time.perf_counter() - t0) / steps
-    cpu_step_seconds = (time.process_time() - cpu0) / steps
-    frames_out = int(model.output_lengths(feat_lens[:1]).item())
+    return model, {
+        "step_seconds": (time.perf_counter() - t0) / steps,
+        "cpu_step_seconds": (time.process_time() - cpu0) / steps,
+        "first_step_seconds": first_step_seconds,
+    }
+
+
+def bench_model(
+    device: str = "cpu",
+    preset: str = "synth-cpu",
+    steps: int | None = None,
+    compile_backend: str | None = None,
+) -> dict:
+    """One central-training step (forward, CTC, backward, optimizer) timed over `steps`; with a
+    `compile_backend`, compiled too (module docstring)."""
+    from pflbench.numerics import cpu_kernels
+
+    cuda = device.startswith("cuda")
+    batch_seconds, utt_seconds = (120.0 if cuda else 60.0), 5.0
+    batch, frames_in = int(batch_seconds / utt_seconds), int(utt_seconds * 100)
+    steps = steps or (10 if cuda else 4)
+    model, times = timed_training(device, preset, batch_seconds, steps, None)
+    step_seconds, cpu_step_seconds = times["step_seconds"], times["cpu_step_seconds"]
+    feat_lens = torch.full((1,), frames_in)
+    frames_out = int(model.output_lengths(feat_lens).item())
     per_frame = model_flops_per_frame(model.cfg, 30, frames_out, training_layers(model.cfg))
-    flops = per_frame * frames_out * batch / step_seconds
+    flops_per_step = per_frame * frames_out * batch
+    flops = flops_per_step / step_seconds
+    peak = peak_bf16(torch.cuda.get_device_name()) if cuda else None
     out = {
         "preset": preset,
         "device": device_label(device),
@@ -89,7 +127,6 @@ def bench_model(device: str = "cpu", preset: str = "synth-cpu", steps: int | Non
         "model_tflops_per_second": flops / 1e12,
     }
     if cuda:
-        peak = peak_bf16(torch.cuda.get_device_name())
         out["mfu"] = flops / peak if peak else None
         out["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     else:
@@ -98,4 +135,18 @@ def bench_model(device: str = "cpu", preset: str = "synth-cpu", steps: int | Non
         out["weights_digest"] = state_digest(model.state_dict())[:16]
         names = ("aten_capability", "mkl_cbwr", "onednn_enabled", "onednn_max_cpu_isa")
         out["kernels"] = {name: kernels[name] for name in names}
+    out["first_step_seconds"] = times["first_step_seconds"]
+    if compile_backend is not None:
+        compiled_model, compiled = timed_training(
+            device, preset, batch_seconds, steps, compile_backend
+        )
+        compiled["backend"] = compile_backend
+        compiled["model_tflops_per_second"] = flops_per_step / compiled["step_seconds"] / 1e12
+        if cuda:
+            del compiled["cpu_step_seconds"]
+            compiled["mfu"] = flops_per_step / compiled["step_seconds"] / peak if peak else None
+        else:  # compiled kernels round differently: a digest of their own
+            compiled["weights_digest"] = state_digest(compiled_model.state_dict())[:16]
+        out["compiled"] = compiled
+        out["compile_speedup"] = step_seconds / compiled["step_seconds"]
     return out

@@ -210,7 +210,10 @@ def build_model(
 
 def ctc_losses(log_probs: Tensor, out_lens: Tensor, targets: Tensor, target_lens: Tensor) -> Tensor:
     """[B] each utterance's CTC loss (summed over its frames); blank = 0. Infeasible alignments
-    (too few frames) give 0 rather than inf."""
+    (too few frames) give 0 rather than inf. Under torch.compile it is one opaque operator
+    (`compiled_ctc_losses`): the same kernels, so the same floats, without a graph break."""
+    if torch.compiler.is_compiling():
+        return compiled_ctc_losses(log_probs, out_lens, targets, target_lens)
     return F.ctc_loss(
         log_probs.transpose(0, 1),
         targets,
@@ -220,6 +223,61 @@ def ctc_losses(log_probs: Tensor, out_lens: Tensor, targets: Tensor, target_lens
         reduction="none",
         zero_infinity=True,
     )
+
+
+# aten's CTC sizes its saved alphas by the longest target, a value in a tensor, so torch.compile
+# cannot trace it (a graph break). These two operators hide it: the forward and the backward call
+# the kernels of F.ctc_loss(reduction="none", zero_infinity=True) and of its autograd (which
+# zeroes the gradient of an infinite loss), the backward computing the alphas again. On CUDA
+# those kernels copy lengths between host and device (a host sync), so CUDA graphs must leave
+# them out (cudagraph_unsafe: inductor's graph partitions replay the rest).
+@torch.library.custom_op(
+    "pflbench::ctc_losses", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+)
+def compiled_ctc_losses(
+    log_probs: Tensor, out_lens: Tensor, targets: Tensor, target_lens: Tensor
+) -> Tensor:
+    nll, _ = torch.ops.aten._ctc_loss.Tensor(
+        log_probs.transpose(0, 1), targets, out_lens, target_lens, 0, True
+    )
+    return torch.where(nll == math.inf, 0.0, nll)
+
+
+@compiled_ctc_losses.register_fake
+def _(log_probs: Tensor, out_lens: Tensor, targets: Tensor, target_lens: Tensor) -> Tensor:
+    return log_probs.new_empty(log_probs.shape[0])
+
+
+@torch.library.custom_op(
+    "pflbench::ctc_losses_backward", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,)
+)
+def _ctc_losses_backward(
+    grad: Tensor, log_probs: Tensor, out_lens: Tensor, targets: Tensor, target_lens: Tensor
+) -> Tensor:
+    by_time = log_probs.transpose(0, 1)
+    nll, alphas = torch.ops.aten._ctc_loss.Tensor(by_time, targets, out_lens, target_lens, 0, True)
+    return torch.ops.aten._ctc_loss_backward.Tensor(
+        grad, by_time, targets, out_lens, target_lens, nll, alphas, 0, True
+    ).transpose(0, 1)
+
+
+@_ctc_losses_backward.register_fake
+def _(
+    grad: Tensor, log_probs: Tensor, out_lens: Tensor, targets: Tensor, target_lens: Tensor
+) -> Tensor:
+    batch, frames, vocab = log_probs.shape
+    return log_probs.new_empty(frames, batch, vocab).transpose(0, 1)  # the kernel's layout
+
+
+def _save_ctc_inputs(ctx, inputs: tuple, output: Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+def _ctc_losses_grad(ctx, grad: Tensor) -> tuple:
+    return _ctc_losses_backward(grad, *ctx.saved_tensors), None, None, None
+
+
+compiled_ctc_losses.register_autograd(_ctc_losses_grad, setup_context=_save_ctc_inputs)
 
 
 def ctc_loss(log_probs: Tensor, out_lens: Tensor, targets: Tensor, target_lens: Tensor) -> Tensor:

@@ -107,7 +107,13 @@ def write_record(path: Path, record: ResultRecord) -> None:
 
 
 def compute_info(
-    steps: list[dict], world_size: int, device: str, model, parallel_clients: int, wall: float
+    steps: list[dict],
+    world_size: int,
+    device: str,
+    model,
+    parallel_clients: int,
+    compile_backend: str | None,
+    wall: float,
 ) -> Compute:
     """Wall time, hardware, realized cohorts and paper 004's CFMQ cost of a run's `steps` (its
     metrics lines of central steps)."""
@@ -129,6 +135,7 @@ def compute_info(
         num_processes=world_size,
         intra_op_threads=None if cuda else torch.get_num_threads(),
         parallel_clients=parallel_clients,
+        compile_backend=compile_backend,
         gpu_hours=wall * world_size / 3600 if cuda else 0.0,
         central_steps=rounds,
         cohort_per_step=[x["clients"] for x in steps],

@@ -264,6 +264,12 @@ class Compute(Strict):
         "it; a CPU run is bitwise reproducible with the same torch build, CPU and thread count.",
     )
     parallel_clients: int | None = None  # clients trained at once per process (fl.parallel)
+    compile_backend: str | None = Field(
+        None,
+        description="The torch.compile backend of the clients' local step (`run --compile`: "
+        "inductor); null: eager (absent: eager or an older record). Compiled kernels round "
+        "differently, so a compiled run's numbers differ from the eager run's in float rounding.",
+    )
     gpu_hours: float | None = None
     central_steps: int | None = None
     cohort_per_step: list[int] | None = Field(
