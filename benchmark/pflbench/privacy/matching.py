@@ -24,9 +24,14 @@ PAPER_RUN_COHORT = 1024  # the cohort of the paper's FL + DP runs (002 Table 1)
 
 
 def model_parameters(preset: str, vocab_size: int = 30) -> int:
+    """Built on the meta device: shapes only (paper-255m's 1 GB of weights is neither allocated
+    nor initialized, and no random number is drawn)."""
+    import torch
+
     from pflbench.model.transformer import build_model, count_parameters
 
-    return count_parameters(build_model(preset, vocab_size))
+    with torch.device("meta"):
+        return count_parameters(build_model(preset, vocab_size))
 
 
 def noise_to_clip_ratio(sigma_dp: float, parameters: int) -> float:
