@@ -180,11 +180,10 @@ def clip_factors(
     if perlayer_rule not in ("clip", "normalize"):
         raise ValueError(f"unknown per-layer rule {perlayer_rule!r}; expected clip or normalize")
     layers = len(sizes)
-    margins = torch.tensor(
-        [rounding_margin(dtype, size, layers) for dtype, size in zip(dtypes, sizes, strict=True)],
-        dtype=torch.float64,
-        device=norms.device,
-    )
+    margin_list = [
+        rounding_margin(dtype, size, layers) for dtype, size in zip(dtypes, sizes, strict=True)
+    ]
+    margins = torch.tensor(margin_list, dtype=torch.float64, device=norms.device)
     total_norm = torch.linalg.vector_norm(norms, dim=-1, keepdim=True)
     # A norm measured within its error of the bound may be over it: such a layer is clipped too.
     errors = [measurement_error(size, layers) for size in sizes]
@@ -193,7 +192,7 @@ def clip_factors(
         return torch.ones_like(norms)
     if clipping == "global":
         # (A tensor divides a Python number by multiplying with its reciprocal: one more rounding.)
-        aim = torch.full_like(total_norm, (1 - float(margins.max())) * bound)
+        aim = torch.full_like(total_norm, (1 - max(margin_list)) * bound)
         scale = aim / total_norm.clamp_min(1e-300)
         return torch.where(over_total, scale, 1.0).expand_as(norms).clone()
     if clipping == "perlayer":
@@ -257,49 +256,67 @@ def clip_examples(
         perlayer_mode,
     )
     factors[nonfinite] = 0.0
-    any_nonfinite = bool(nonfinite.any())
     targets = scaled_bounds(sizes, clipping, bound, perlayer_mode)
+    # Per tensor: are all its factors 1, and does each multiply round relatively (as fp32; as
+    # fp64)? With whether any example is zeroed: one transfer from the device for all tensors.
+    flags = torch.cat([
+        ((factors == 1).all(dim=0)),
+        _factors_round_relatively(factors, torch.float32).all(dim=0),
+        _factors_round_relatively(factors, torch.float64).all(dim=0),
+        nonfinite.any()[None],
+    ]).tolist()  # fmt: skip
+    layers = len(grad_samples)
+    untouched, relative32, relative64 = (flags[i * layers : (i + 1) * layers] for i in range(3))
     for h, (sample, (layer_bound, size)) in enumerate(zip(grad_samples, targets, strict=True)):
         rows = (-1, *[1] * (sample.ndim - 1))
-        column = factors[:, h].view(rows)
-        if any_nonfinite:  # (0 times an Inf is NaN: these rows are zeroed, not scaled)
+        if flags[-1]:  # (0 times an Inf is NaN: the NaN/Inf examples are zeroed, not scaled)
             sample.masked_fill_(nonfinite.view(rows), 0.0)
-        if bool((column == 1).all()):
+        if untouched[h]:
             continue
-        if _rounds_relatively(column, layer_bound, size, sample.dtype):
-            sample.mul_(column if sample.dtype == torch.float64 else column.float())
+        column = factors[:, h].view(rows)
+        wide = sample.dtype == torch.float64
+        if _bound_rounds_relatively(layer_bound, size, sample.dtype) and (
+            relative64[h] if wide else relative32[h]
+        ):
+            sample.mul_(column if wide else column.float())
         else:
             _scale_toward_zero(sample, column)
     return ExampleClip(factors=factors, nonfinite=nonfinite)
 
 
-def _rounds_relatively(factors: Tensor, bound: float, size: int, dtype: torch.dtype) -> bool:
-    """Whether scaling values of `dtype` (`size` of them against `bound`) by one multiply with
-    each of `factors` (as fp32; fp64 for fp64 values) rounds within the relative margin: every
-    factor is normal in its dtype (a subnormal fp32 factor, which scales an update over ~1e38·C,
-    is itself rounded absolutely, by up to 2^-150) or exact (1, or 0 for zeroed examples), and
-    the bound keeps the values' own subnormal rounding (absolute, up to tiny·eps/2 each) within
-    its relative margin (bound >= sqrt(size)·tiny)."""
-    factor_type = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)
-    normal = (factors >= factor_type.tiny) & (factors < factor_type.max)
-    exact = (factors == 1) | (factors == 0)
-    return bound >= math.sqrt(size) * torch.finfo(dtype).tiny and bool((normal | exact).all())
+def _bound_rounds_relatively(bound: float, size: int, dtype: torch.dtype) -> bool:
+    """Whether `size` values of `dtype` scaled to within `bound` round within its relative
+    margin: the values' own rounding in the subnormal range (absolute, up to tiny·eps/2 each)
+    adds up to at most that (bound >= sqrt(size)·tiny)."""
+    return bound >= math.sqrt(size) * torch.finfo(dtype).tiny
+
+
+def _factors_round_relatively(factors: float | Tensor, dtype: torch.dtype) -> bool | Tensor:
+    """Elementwise (a number or fp64 factors): whether multiplying values of `dtype` by the
+    factor, as fp32 (fp64 for fp64 values), rounds relatively: the factor is exact (1, or 0 for
+    zeroed examples) or normal in that dtype (a subnormal fp32 factor, which scales an update
+    over ~1e38·C, is itself rounded absolutely, by up to 2^-150)."""
+    kind = torch.finfo(torch.float64 if dtype == torch.float64 else torch.float32)
+    return (factors == 1) | (factors == 0) | ((factors >= kind.tiny) & (factors < kind.max))
 
 
 def _scale(tensors: list[Tensor], factors: Tensor, targets: list[tuple[float, int]]) -> None:
     """Multiply each tensor in place by its factor where that is not 1, the result within its
     target bound (over the given number of elements) exactly.
 
-    Where rounding is relative (`_rounds_relatively`): one fused multiply by fp32 factor tensors
-    (fp64 for fp64 tensors; a Python scalar would first be rounded to a half-precision tensor's
-    dtype, and overflow fp16 when a small layer is scaled up). Elsewhere rounding is absolute:
-    the product is taken in fp64 and rounded toward zero, so no element grows."""
+    Where rounding is relative (`_bound_rounds_relatively`, `_factors_round_relatively`): one
+    fused multiply by fp32 factor tensors (fp64 for fp64 tensors; a Python scalar would first be
+    rounded to a half-precision tensor's dtype, and overflow fp16 when a small layer is scaled
+    up). Elsewhere rounding is absolute: the product is taken in fp64 and rounded toward zero, so
+    no element grows."""
     fast: list[int] = []
     for i, (factor, (bound, size)) in enumerate(zip(factors.tolist(), targets, strict=True)):
         if factor == 1.0:
             continue
         tensor = tensors[i]
-        if _rounds_relatively(torch.tensor(factor, dtype=torch.float64), bound, size, tensor.dtype):
+        if _bound_rounds_relatively(bound, size, tensor.dtype) and _factors_round_relatively(
+            factor, tensor.dtype
+        ):
             fast.append(i)
         else:
             _scale_toward_zero(tensor, factor)
