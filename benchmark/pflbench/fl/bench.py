@@ -169,23 +169,33 @@ def bench_fl(
     steps = 2
     model_args = {"dropout": dropout, "layer_drop": layer_drop}
 
-    def measured(parallel: int, compile_backend: str | None) -> dict:
-        sim = make_simulator(preset, device, cohort, local_steps, parallel, **model_args,
-                             compile_backend=compile_backend)  # fmt: skip
-        first = timed_steps(sim, 1)[0]  # warm-up (and compilation)
-        wall, compute, stats = timed_steps(sim, steps)
-        return {"sim": sim, "first": first, "wall": wall, "compute": compute, "stats": stats,
-                "local_step": compute / max(1, steps * stats["local_steps"])}  # fmt: skip
-
-    one_at_a_time = eager = None
+    # The measured simulator, and those it is compared with: one client at a time (eager), and
+    # the same G eager. A warm-up step each (compilation included), then central steps in turn,
+    # so that the load of a shared machine weighs on all alike.
+    setups = {"run": (parallel_clients, compile_backend)}
     if parallel_clients > 1:
-        one_at_a_time = measured(1, None)["wall"] / steps
+        setups["one_at_a_time"] = (1, None)
     if compile_backend is not None:
-        eager = measured(parallel_clients, None)
-        del eager["sim"]
-    run = measured(parallel_clients, compile_backend)
-    sim, wall, compute, stats = run["sim"], run["wall"], run["compute"], run["stats"]
-    local_step_seconds = run["local_step"]
+        setups["eager"] = (parallel_clients, None)
+    sims = {
+        name: make_simulator(preset, device, cohort, local_steps, parallel, **model_args,
+                             compile_backend=backend)
+        for name, (parallel, backend) in setups.items()
+    }  # fmt: skip
+    first = {name: timed_steps(sim, 1)[0] for name, sim in sims.items()}
+    totals = {name: [0.0, 0.0, 0.0] for name in sims}  # wall, client compute, aggregation
+    local_steps_taken, frames = dict.fromkeys(sims, 0), dict.fromkeys(sims, 0)
+    for _ in range(steps):
+        for name, sim in sims.items():
+            wall, compute, stats = timed_steps(sim, 1)
+            totals[name][0] += wall
+            totals[name][1] += compute
+            totals[name][2] += sim.aggregation_seconds
+            local_steps_taken[name] += stats["local_steps"]
+            frames[name] += stats["frames"]
+    local_step = {name: totals[name][1] / max(1, local_steps_taken[name]) for name in sims}
+    sim, (wall, compute, aggregation) = sims["run"], totals["run"]
+    local_step_seconds = local_step["run"]
     figures: dict = {
         "preset": preset,
         "parameters": count_parameters(sim.model),
@@ -198,25 +208,26 @@ def bench_fl(
         "central_step_seconds": wall / steps,
         "outside_client_fraction": 1.0 - compute / wall,
         # Per-user privacy steps and the exact sum, apart (the target: <= 3%).
-        "aggregation_fraction": sim.aggregation_seconds / wall,
+        "aggregation_fraction": aggregation / wall,
         "parallel_clients": parallel_clients,
         "compile_backend": compile_backend,
-        "first_central_step_seconds": run["first"],  # compilation included
+        "first_central_step_seconds": first["run"],  # compilation included
     }
-    if one_at_a_time is not None:
+    if "one_at_a_time" in sims:
+        one_at_a_time = totals["one_at_a_time"][0] / steps
         figures["central_step_seconds_one_client_at_a_time"] = one_at_a_time
         figures["parallel_speedup"] = one_at_a_time / (wall / steps)
-    if eager is not None:
-        figures["local_step_seconds_eager"] = eager["local_step"]
-        figures["central_step_seconds_eager"] = eager["wall"] / steps
-        figures["first_central_step_seconds_eager"] = eager["first"]
-        figures["compile_speedup"] = eager["wall"] / wall
+    if "eager" in sims:
+        figures["local_step_seconds_eager"] = local_step["eager"]
+        figures["central_step_seconds_eager"] = totals["eager"][0] / steps
+        figures["first_central_step_seconds_eager"] = first["eager"]
+        figures["compile_speedup"] = totals["eager"][0] / wall
     if cuda:
         cfg = sim.model.cfg
-        out_frames = stats["frames"] / cfg.conv_stride
+        out_frames = frames["run"] / cfg.conv_stride
         frames_per_utt = int(UTTERANCE_SECONDS * 100 / cfg.conv_stride)
         per_frame = model_flops_per_frame(cfg, VOCAB, frames_per_utt, training_layers(cfg))
-        flops = per_frame * out_frames * steps
+        flops = per_frame * out_frames
         name = torch.cuda.get_device_name(device)
         peak = peak_bf16(name)
         figures["device_name"] = name
@@ -230,7 +241,7 @@ def bench_fl(
         figures["a100_per_gpu_factor_assumed"] = factor
         figures["paper_run_a100_hours_equivalent"] = hours * factor if factor else None
         figures["paper_run_a100_hours_reported"] = PAPER_A100_HOURS
-    del sim, run
+    del sim, sims
     sim_args = {**model_args, "compile_backend": compile_backend}
     figures["peak_memory_bytes_cohort8"] = step_peak_memory(preset, device, 8, **sim_args)
     figures["peak_memory_bytes_cohort64"] = step_peak_memory(preset, device, 64, **sim_args)

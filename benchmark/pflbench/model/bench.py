@@ -9,7 +9,8 @@ settings of ATEN_CPU_CAPABILITY / MKL_CBWR / ONEDNN_MAX_CPU_ISA, with the same d
 the same floats. With a compile backend (`--compile`: inductor), the same steps again with
 torch.compile (CUDA graphs on CUDA) on the loss (forward and CTC, the backward compiled with it)
 and on the optimizer step: their times, the first step's (compilation included) and the
-speed-up over eager.
+speed-up over eager; the two take their steps in turn, so that a shared machine's load weighs on
+both alike.
 """
 
 from __future__ import annotations
@@ -41,56 +42,55 @@ def device_label(device: str) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
-def timed_training(
-    device: str, preset: str, batch_seconds: float, steps: int, compile_backend: str | None
-) -> tuple[torch.nn.Module, dict]:
-    """The model trained for 1 + `steps` steps on one random batch, and the time they took."""
-    from pflbench.model.optim import make_central_optimizer
-    from pflbench.spec.models import CentralRecipe
+class Training:
+    """One model trained on one random batch, step by step, on its own stream of the global RNG
+    (CAPE's draws): trainings can take turns, each training as it would alone."""
 
-    cuda = device.startswith("cuda")
-    utt_seconds = 5.0
-    batch, frames_in = int(batch_seconds / utt_seconds), int(utt_seconds * 100)
-    torch.manual_seed(0)
-    model = build_model(preset, vocab_size=30).to(device).train()
-    opt = make_central_optimizer(model.named_parameters(), CentralRecipe())
-    feats = torch.randn(batch, frames_in, 80, device=device)
-    feat_lens = torch.full((batch,), frames_in, device=device)
-    targets = torch.randint(1, 30, (batch, int(utt_seconds * 15)), device=device)
-    target_lens = torch.full((batch,), targets.shape[1], device=device)
+    def __init__(self, device: str, preset: str, batch_seconds: float, compile_backend: str | None):
+        from pflbench.model.optim import make_central_optimizer
+        from pflbench.spec.models import CentralRecipe
 
-    def loss() -> torch.Tensor:
-        log_probs, out_lens = model(feats, feat_lens)
-        return ctc_loss(log_probs, out_lens, targets, target_lens)
+        self.device, cuda = device, device.startswith("cuda")
+        utt_seconds = 5.0
+        batch, frames_in = int(batch_seconds / utt_seconds), int(utt_seconds * 100)
+        with torch.random.fork_rng(devices=[device] if cuda else []):
+            torch.manual_seed(0)
+            self.model = build_model(preset, vocab_size=30).to(device).train()
+            self.opt = make_central_optimizer(self.model.named_parameters(), CentralRecipe())
+            self.feats = torch.randn(batch, frames_in, 80, device=device)
+            self.feat_lens = torch.full((batch,), frames_in, device=device)
+            self.targets = torch.randint(1, 30, (batch, int(utt_seconds * 15)), device=device)
+            self.target_lens = torch.full((batch,), self.targets.shape[1], device=device)
+            self.rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None
+        self.loss, self.optimizer_step = self._loss, self.opt.step
+        if compile_backend is not None:
+            mode = "reduce-overhead" if cuda and compile_backend == "inductor" else None
+            self.loss = torch.compile(self._loss, backend=compile_backend, mode=mode)
+            self.optimizer_step = torch.compile(self.opt.step, backend=compile_backend, mode=mode)
 
-    optimizer_step = opt.step
-    if compile_backend is not None:
-        mode = "reduce-overhead" if cuda and compile_backend == "inductor" else None
-        loss = torch.compile(loss, backend=compile_backend, mode=mode)
-        optimizer_step = torch.compile(opt.step, backend=compile_backend, mode=mode)
+    def _loss(self) -> torch.Tensor:
+        log_probs, out_lens = self.model(self.feats, self.feat_lens)
+        return ctc_loss(log_probs, out_lens, self.targets, self.target_lens)
 
-    def step() -> None:
-        loss().backward()
-        optimizer_step()
-        opt.zero_grad(set_to_none=True)
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-
-    t0 = time.perf_counter()
-    step()  # warm-up: allocations, kernels (and compilation)
-    sync()
-    first_step_seconds = time.perf_counter() - t0
-    t0, cpu0 = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        step()
-    sync()
-    return model, {
-        "step_seconds": (time.perf_counter() - t0) / steps,
-        "cpu_step_seconds": (time.process_time() - cpu0) / steps,
-        "first_step_seconds": first_step_seconds,
-    }
+    def step(self) -> tuple[float, float]:
+        """One step: (wall seconds, CPU seconds of this process)."""
+        cuda = self.device.startswith("cuda")
+        with torch.random.fork_rng(devices=[self.device] if cuda else []):
+            torch.set_rng_state(self.rng[0])
+            if cuda:
+                torch.cuda.set_rng_state(self.rng[1], self.device)
+            wall, cpu = time.perf_counter(), time.process_time()
+            self.loss().backward()
+            self.optimizer_step()
+            self.opt.zero_grad(set_to_none=True)
+            if cuda:
+                torch.cuda.synchronize()
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+            self.rng = (
+                torch.get_rng_state(),
+                torch.cuda.get_rng_state(self.device) if cuda else None,
+            )
+        return wall, cpu
 
 
 def bench_model(
@@ -107,8 +107,19 @@ def bench_model(
     batch_seconds, utt_seconds = (120.0 if cuda else 60.0), 5.0
     batch, frames_in = int(batch_seconds / utt_seconds), int(utt_seconds * 100)
     steps = steps or (10 if cuda else 4)
-    model, times = timed_training(device, preset, batch_seconds, steps, None)
-    step_seconds, cpu_step_seconds = times["step_seconds"], times["cpu_step_seconds"]
+    trainings = {"eager": Training(device, preset, batch_seconds, None)}
+    if compile_backend is not None:
+        trainings["compiled"] = Training(device, preset, batch_seconds, compile_backend)
+    # A warm-up step each (allocations, kernels, compilation), then steps in turn, so that the
+    # load of a shared machine weighs on both alike.
+    first = {name: training.step()[0] for name, training in trainings.items()}
+    times = {name: [0.0, 0.0] for name in trainings}
+    for _ in range(steps):
+        for name, training in trainings.items():
+            for i, seconds in enumerate(training.step()):
+                times[name][i] += seconds
+    model = trainings["eager"].model
+    step_seconds, cpu_step_seconds = (t / steps for t in times["eager"])
     feat_lens = torch.full((1,), frames_in)
     frames_out = int(model.output_lengths(feat_lens).item())
     per_frame = model_flops_per_frame(model.cfg, 30, frames_out, training_layers(model.cfg))
@@ -135,18 +146,21 @@ def bench_model(
         out["weights_digest"] = state_digest(model.state_dict())[:16]
         names = ("aten_capability", "mkl_cbwr", "onednn_enabled", "onednn_max_cpu_isa")
         out["kernels"] = {name: kernels[name] for name in names}
-    out["first_step_seconds"] = times["first_step_seconds"]
+    out["first_step_seconds"] = first["eager"]
     if compile_backend is not None:
-        compiled_model, compiled = timed_training(
-            device, preset, batch_seconds, steps, compile_backend
-        )
-        compiled["backend"] = compile_backend
-        compiled["model_tflops_per_second"] = flops_per_step / compiled["step_seconds"] / 1e12
+        seconds = times["compiled"][0] / steps
+        compiled = {
+            "backend": compile_backend,
+            "step_seconds": seconds,
+            "first_step_seconds": first["compiled"],
+            "model_tflops_per_second": flops_per_step / seconds / 1e12,
+        }
         if cuda:
-            del compiled["cpu_step_seconds"]
-            compiled["mfu"] = flops_per_step / compiled["step_seconds"] / peak if peak else None
+            compiled["mfu"] = flops_per_step / seconds / peak if peak else None
         else:  # compiled kernels round differently: a digest of their own
+            compiled["cpu_seconds_per_step"] = times["compiled"][1] / steps
+            compiled_model = trainings["compiled"].model
             compiled["weights_digest"] = state_digest(compiled_model.state_dict())[:16]
         out["compiled"] = compiled
-        out["compile_speedup"] = step_seconds / compiled["step_seconds"]
+        out["compile_speedup"] = step_seconds / seconds
     return out
