@@ -24,8 +24,8 @@ test: install
 	$(BIN)/python -m pytest -q
 
 lint: install
-	$(BIN)/ruff check benchmark tests
-	$(BIN)/ruff format --check benchmark tests
+	$(BIN)/ruff check benchmark tests scripts
+	$(BIN)/ruff format --check benchmark tests scripts
 
 # Pins what .venv holds now (after an intended upgrade there), pflbench itself left out; a local
 # build's label (2.13.0+cpu) is dropped so that other builds of the same version satisfy the pin.
