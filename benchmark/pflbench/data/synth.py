@@ -358,7 +358,9 @@ def synthesize(
     units = plan_units(out, language, SIZES[size], seed)
     workers = workers or min(len(units), os.cpu_count() or 1)
     ctx = mp.get_context("forkserver")  # clean parent: every unit starts from fresh espeak state
-    ctx.set_forkserver_preload([__name__])
+    # The imports the units need, done once in the fork server rather than in each unit's fresh
+    # process (scipy.signal alone takes ~1 s, more than a tiny corpus's unit of work).
+    ctx.set_forkserver_preload([__name__, "scipy.signal", "wordfreq"])
     speakers, cv_rows = [], {"train": [], "dev": [], "test": []}
     worker_cpu = 0.0
     with ctx.Pool(workers, maxtasksperchild=1) as pool:
