@@ -172,3 +172,43 @@ def test_exact_sum_trusts_only_a_bound_within_range_and_checks_otherwise():
     assert torch.equal(
         total.result(torch.float64)["w"], torch.tensor([0.5, -0.25, 1.0], dtype=torch.float64)
     )
+
+
+def _quantized_in_fp64(values: torch.Tensor, scale: float) -> torch.Tensor:
+    """The grid point of each value, computed the obvious way: x in fp64, times the power of two,
+    rounded half to even."""
+    return torch.round(values.double() * scale).to(torch.int64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_exact_sum_quantizes_narrow_updates_as_fp64_would(dtype):
+    """The sum quantizes in fp32 scratch: on half-way points, subnormals, values at max_abs and
+    random values of every magnitude it lands on the grid point fp64 arithmetic gives."""
+    max_abs = 0.75
+    total = ExactSum({"w": torch.zeros(0, dtype=dtype)}, max_abs=max_abs, max_terms=2**10)
+    generator = torch.Generator().manual_seed(3)
+    magnitudes = torch.randn(4096, generator=generator, dtype=torch.float64).exp2() * 2.0**-30
+    halfway = (torch.arange(-8, 9, dtype=torch.float64) + 0.5) / total.scale  # k + 1/2 on the grid
+    tiny = torch.tensor([torch.finfo(dtype).tiny, torch.finfo(dtype).smallest_normal / 3])
+    edges = torch.tensor([max_abs, -max_abs, 0.0, -0.0])
+    values = torch.cat([
+        (torch.rand(4096, generator=generator, dtype=torch.float64) * 2 - 1) * max_abs,
+        magnitudes.clamp(max=max_abs) * torch.sign(torch.randn(4096, generator=generator)),
+        halfway, tiny.double(), -tiny.double(), edges.double(),
+    ]).to(dtype)  # fmt: skip
+    total = ExactSum({"w": values}, max_abs=max_abs, max_terms=2**10)
+    total.add({"w": values})
+    total.add({"w": -values})
+    total.add({"w": values})
+    assert torch.equal(total.buffers()[0], _quantized_in_fp64(values, total.scale))
+    assert total.result(torch.float64)["w"].shape == values.shape
+
+
+def test_exact_sum_keeps_fp64_updates_exact_and_refuses_them_in_narrow_scratch():
+    values = torch.tensor([1 / 3, -2**-60, 0.5 + 2**-40], dtype=torch.float64)
+    total = ExactSum({"w": values}, max_abs=1.0, max_terms=4)
+    total.add({"w": values})
+    assert torch.equal(total.buffers()[0], _quantized_in_fp64(values, total.scale))
+    narrow = ExactSum({"w": torch.zeros(3)}, max_abs=1.0, max_terms=4)
+    with pytest.raises(ValueError, match="fp64 update"):
+        narrow.add({"w": values})
