@@ -25,7 +25,7 @@ STEP = 5  # the central step the clients train at
 def _trainer(data, group_size: int, batch_seconds: float = 6.0, **options):
     torch.manual_seed(0)
     model = build_model("tiny", data.tokenizer.size)
-    recipe = ClientRecipe(batch_seconds=batch_seconds, lr=0.5, local_steps=3)
+    recipe = ClientRecipe(batch_seconds=batch_seconds, lr=0.5, local_steps=2)
     names = [n for n, _ in model.named_parameters()]
     algorithm = make_algorithm(recipe, model, names, seed=7)
     args = (model, names, algorithm, AUGMENT, 7, "cpu")
@@ -35,10 +35,10 @@ def _trainer(data, group_size: int, batch_seconds: float = 6.0, **options):
 
 
 def _updates(data, group_size: int, **options) -> dict[str, tuple[float, dict]]:
-    """user -> (loss, update) of three clients trained at STEP."""
+    """user -> (loss, update) of two clients trained at STEP."""
     model, trainer = _trainer(data, group_size, **options)
     global_params = [p.detach() for p in model.parameters()]
-    clients = largest_users(data.federated_train, 3)
+    clients = largest_users(data.federated_train, 2)
     return {
         user: (result.loss, {k: v.clone() for k, v in result.update.items()})
         for user, result in trainer.train_group(global_params, clients, STEP)

@@ -326,13 +326,14 @@ def test_real_task_without_corpora_fails_fast(tmp_path):
 @pytest.mark.slow
 def test_a_run_with_more_steps_than_its_budget_is_refused_before_it_starts(tmp_path):
     """eps7.2-high-pop is calibrated for T = 2,034 steps: at 3,000 its ε would be 7.70."""
-    proc = _cli("--task", "synth-cv-en-ls-seed", "--baseline", "perlayer-dim",
-                "--budget", "eps7.2-high-pop", "--set", "federated.central_steps=3000",
-                "--data-root", str(tmp_path), "--out", str(tmp_path / "run"))  # fmt: skip
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 2, err
+    args = ["run", "--task", "synth-cv-en-ls-seed", "--baseline", "perlayer-dim",
+            "--budget", "eps7.2-high-pop", "--set", "federated.central_steps=3000",
+            "--data-root", str(tmp_path), "--out", str(tmp_path / "run")]  # fmt: skip
+    result = CliRunner().invoke(app, args)  # a UserError: the installed command exits 2
+    assert isinstance(result.exception, UserError), result.output
+    err = str(result.exception)
     assert "3000 central steps" in err and "T = 2034" in err and "7.70" in err
-    assert "Traceback" not in err and not (tmp_path / "run").exists()
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.slow
