@@ -205,7 +205,7 @@ def test_exact_sum_quantizes_narrow_updates_as_fp64_would(dtype):
 
 
 def test_exact_sum_keeps_fp64_updates_exact_and_refuses_them_in_narrow_scratch():
-    values = torch.tensor([1 / 3, -2**-60, 0.5 + 2**-40], dtype=torch.float64)
+    values = torch.tensor([1 / 3, -(2**-60), 0.5 + 2**-40], dtype=torch.float64)
     total = ExactSum({"w": values}, max_abs=1.0, max_terms=4)
     total.add({"w": values})
     assert torch.equal(total.buffers()[0], _quantized_in_fp64(values, total.scale))
