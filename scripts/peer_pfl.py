@@ -218,7 +218,7 @@ def profile_pflbench(sections: Sections, sim: Simulator) -> None:
     wrap(client.update, "start", "client: copy global weights")
     wrap(client.update, "zero_grad", "client: zero grads")
     wrap(client.model, "forward", "client: forward")
-    wrap(pflbench.fl.client, "ctc_loss", "client: forward")
+    wrap(pflbench.fl.client, "ctc_losses", "client: forward")
     wrap(client, "_forward_backward", "client: backward")
     wrap(client.update, "step", "client: local step (clip + SGD)")
     wrap(client.update, "finish", "client: delta")
