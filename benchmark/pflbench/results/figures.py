@@ -42,6 +42,7 @@ FAMILIES = (  # panels of the WER-vs-ε figure, by baseline name
     ("clipping", ("global", "perlayer-", "adaptive-")),
     ("server optimizer", ("server-",)),
     ("client-side method", ("fedprox", "data-limit", "fvn", "layerfreeze", "scaffold")),
+    ("privacy mechanism", ("bandmf-",)),
 )
 OPTIMIZERS = {"lamb": "LAMB", "lars": "LARS", "adam": "Adam", "adagrad": "AdaGrad", "sgd": "SGD"}
 COHORT_KEY = "federated.cohort_size"
