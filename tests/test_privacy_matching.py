@@ -7,6 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pflbench.cli import app
+from pflbench.errors import UserError
 from pflbench.privacy.matching import (
     PAPER_PRESET,
     PAPER_RUN_COHORT,
@@ -101,3 +102,5 @@ def test_budgets_show_and_match_cli():
     )
     assert out.exit_code == 0, out.output
     assert json.loads(out.output)["cohort"] == 13363
+    out = runner.invoke(app, ["budgets", "match", "none", "--preset", "synth-cpu"])
+    assert isinstance(out.exception, UserError) and "not a DP budget" in str(out.exception)

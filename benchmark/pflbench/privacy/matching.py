@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 
+from pflbench.errors import UserError
 from pflbench.spec.models import Budget
 
 PAPER_PRESET = "paper-255m"  # the model the paper's budgets were run with (002 App. F)
@@ -51,7 +52,7 @@ def matched_scale(
     """Budget fields matching `paper` for a model of `parameters` (and, given `run_cohort`, for
     runs of that cohort against the paper's 1,024)."""
     if not paper.dp:
-        raise ValueError(f"budget {paper.name!r} has no noise to match")
+        raise UserError(f"budget {paper.name!r} is not a DP budget: it has no noise to match")
     factor = math.sqrt(parameters / paper_parameters)
     if run_cohort is not None:
         factor *= math.sqrt(run_cohort / PAPER_RUN_COHORT)
