@@ -80,7 +80,7 @@ def test_matching_a_model_of_the_paper_size_returns_the_paper_scale(registry):
     scale = matched_scale(paper, d, d)
     assert (scale["cohort"], scale["population"]) == (paper.cohort, paper.population)
     assert noise_to_clip_ratio(3e-6, 4 * d) == pytest.approx(2 * noise_to_clip_ratio(3e-6, d))
-    with pytest.raises(ValueError, match="no noise"):
+    with pytest.raises(UserError, match="no noise"):
         matched_scale(registry.budget("none").spec, d, d)
 
 
