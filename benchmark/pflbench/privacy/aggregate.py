@@ -61,7 +61,7 @@ class ExactSum:
         if self.terms >= self.max_terms:
             raise ValueError(f"ExactSum already holds max_terms={self.max_terms} terms")
         tensors = list(update.values())
-        if any(t.dtype == torch.float64 for t in tensors) and self._scaled.dtype != torch.float64:
+        if self._scaled.dtype != torch.float64 and any(t.dtype == torch.float64 for t in tensors):
             raise ValueError("an fp64 update needs an ExactSum made like fp64 tensors")
         if largest is None or not largest <= self.max_abs:
             largest = float(torch.stack(torch._foreach_norm(tensors, float("inf"))).max())

@@ -225,13 +225,7 @@ def check_record_privacy(
         )
         if scale == "extrapolated":
             fresh_ext = fresh[claimed]
-    if fresh_ext is None:
-        raise UserError(f"{where}: privacy.extrapolated.epsilon.{claimed}: no ε claimed")
-    if fresh_ext > budget.epsilon * (1 + EXACT_RTOL):
-        raise UserError(
-            f"{where}: ε = {fresh_ext:.4g} ({claimed}, extrapolated scale) is above the budget "
-            f"{budget.name!r} (ε = {budget.epsilon})"
-        )
+    _check_within_budget(fresh_ext, budget, where, "extrapolated", claimed, "extrapolated scale")
 
 
 def check_example_privacy(privacy: dict, config: RunConfig, budget: Budget, where: str) -> None:
@@ -264,11 +258,19 @@ def check_example_privacy(privacy: dict, config: RunConfig, budget: Budget, wher
         )
     fresh = _check_example_scale(claim, sigma_dp, budget.delta, where, budget.accountant)
     epsilon = fresh[budget.accountant]
+    _check_within_budget(epsilon, budget, where, "simulated", budget.accountant, "per example")
+
+
+def _check_within_budget(
+    epsilon: float | None, budget: Budget, where: str, scale: str, accountant: str, what: str
+) -> None:
+    """The freshly computed ε of the claim's `scale` by `accountant` exists and is within the
+    budget it is filed under."""
     if epsilon is None:
-        raise UserError(f"{where}: privacy.simulated.epsilon.{budget.accountant}: no ε claimed")
+        raise UserError(f"{where}: privacy.{scale}.epsilon.{accountant}: no ε claimed")
     if epsilon > budget.epsilon * (1 + EXACT_RTOL):
         raise UserError(
-            f"{where}: ε = {epsilon:.4g} ({budget.accountant}, per example) is above the budget"
+            f"{where}: ε = {epsilon:.4g} ({accountant}, {what}) is above the budget"
             f" {budget.name!r} (ε = {budget.epsilon})"
         )
 
