@@ -204,6 +204,30 @@ def test_exact_sum_quantizes_narrow_updates_as_fp64_would(dtype):
     assert total.result(torch.float64)["w"].shape == values.shape
 
 
+def test_exact_sum_partial_fp64_sums_stay_exact_at_their_largest():
+    """Runs of terms are summed in fp64 before they join the int64 sum: with elements at
+    ±max_abs (each partial sum near its largest, 2^53) between terms whose integers are odd (which
+    fp64 would round away beyond 2^53), over several runs, the sum equals the integers' exact
+    sum."""
+    max_abs = 0.375  # not a power of two: max_abs·scale is not one either
+    total = ExactSum({"w": torch.zeros(3)}, max_abs=max_abs, max_terms=2**12)
+    ulp = 1 / total.scale  # one grid step
+    large = torch.tensor([max_abs, -max_abs, max_abs])
+    odd = torch.tensor([3 * ulp, -ulp, 2**-40 + ulp])  # odd integers, exact in fp32
+    terms = ([large] * (total.terms_per_partial - 1) + [odd]) * 4
+    generator = torch.Generator().manual_seed(5)
+    terms += [(torch.rand(3, generator=generator) * 2 - 1) * max_abs for _ in range(7)]
+    exact = [0] * 3
+    for term in terms:
+        total.add({"w": term})
+        for i, quantized in enumerate(_quantized_in_fp64(term, total.scale).tolist()):
+            exact[i] += quantized
+    assert total.buffers()[0].tolist() == exact
+    assert exact[0] > 2**53  # the int64 sum went beyond what one fp64 sum holds exactly
+    largest_integer = math.ceil(max_abs * total.scale)
+    assert (total.terms_per_partial + 1) * largest_integer > 2**53  # runs as long as exact
+
+
 def test_exact_sum_keeps_fp64_updates_exact_and_refuses_them_in_narrow_scratch():
     values = torch.tensor([1 / 3, -(2**-60), 0.5 + 2**-40], dtype=torch.float64)
     total = ExactSum({"w": values}, max_abs=1.0, max_terms=4)

@@ -4,6 +4,11 @@ Floating-point addition is not associative, so summing the same users in another
 another number of processes changes the last bits of the aggregate. ExactSum quantizes each
 term to a fixed-point int64 grid (a power-of-two step, so the quantization of a float is exact
 up to one rounding) and sums integers: the result is bitwise identical for any grouping.
+
+The integers are summed in fp64 first: fp64 adds integers exactly while the sum stays within
+2^53, so a run of terms goes into an fp64 partial sum (one vectorized pass per term, where an
+int64 conversion and an int64 add take two) and the partial sum joins the int64 sum before it
+could leave that range. The result is the int64 sum's, bit for bit.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ from torch import Tensor
 
 # Sums stay below 2^62 in magnitude, one bit of headroom under int64's 2^63.
 INT_BUDGET_BITS = 62
+# fp64 holds every integer up to 2^53 exactly.
+FP64_EXACT_BITS = 53
 
 
 class ExactSum:
@@ -24,9 +31,9 @@ class ExactSum:
     clipped update); `max_terms` bounds the number of terms summed over all processes. Together
     they fix the quantization step so the int64 sum cannot overflow.
 
-    The sum is one flat int64 buffer, and each term goes through two preallocated flat buffers
-    (the term scaled and rounded, then as int64): a term costs a few passes over the model and no
-    allocation.
+    The sum is one flat int64 buffer; each term is scaled and rounded in a preallocated flat
+    buffer and added to a flat fp64 partial sum (module docstring): a term costs a few passes
+    over the model and no allocation.
     """
 
     def __init__(self, like: dict[str, Tensor], max_abs: float, max_terms: int = 2**20):
@@ -43,6 +50,12 @@ class ExactSum:
         device = next(iter(like.values())).device if like else torch.device("cpu")
         total = sum(self._sizes)
         self._sum = torch.zeros(total, dtype=torch.int64, device=device)
+        # A term's integers are at most `largest_integer` in magnitude (the rounding of a value
+        # at most max_abs·scale), so fp64 sums `terms_per_partial` of them exactly.
+        largest_integer = math.ceil(self.max_abs * self.scale)
+        self.terms_per_partial = max(1, 2**FP64_EXACT_BITS // largest_integer)
+        self._partial = torch.zeros(total, dtype=torch.float64, device=device)
+        self._partial_terms = 0
         # Scaling by a power of two is exact in fp32 as in fp64 (|x|·scale < 2^62 cannot
         # overflow, and a product small enough to be subnormal rounds to 0 either way), and so is
         # rounding to an integer: fp32 scratch quantizes bf16/fp16/fp32 terms exactly as fp64
@@ -50,7 +63,6 @@ class ExactSum:
         wide = any(t.dtype == torch.float64 for t in like.values())
         self._scaled = torch.empty(total, dtype=torch.float64 if wide else torch.float32,
                                    device=device)  # fmt: skip
-        self._quantized = torch.empty(total, dtype=torch.int64, device=device)
 
     def add(self, update: dict[str, Tensor], largest: float | None = None) -> None:
         """Add one term. `largest`: a proven bound on its elements (the privacy steps derive one
@@ -69,18 +81,29 @@ class ExactSum:
                 raise ValueError(
                     f"an element of magnitude {largest} exceeds max_abs={self.max_abs}"
                 )
-        # Quantize: x·scale (exact: a power of two), rounded half to even, as int64.
+        # Quantize: x·scale (exact: a power of two), rounded half to even.
         torch.cat([t.reshape(-1) for t in tensors], out=self._scaled)
         self._scaled.mul_(self.scale).round_()
-        self._quantized.copy_(self._scaled)  # integral values: the conversion is exact
-        self._sum.add_(self._quantized)
+        if self._partial_terms == self.terms_per_partial:
+            self._flush()
+        self._partial.add_(self._scaled)  # integers, the sum within 2^53: exact
+        self._partial_terms += 1
         self.terms += 1
+
+    def _flush(self) -> None:
+        """Move the fp64 partial sum into the int64 sum (integral values: the conversion is
+        exact)."""
+        self._sum.add_(self._partial.to(torch.int64))
+        self._partial.zero_()
+        self._partial_terms = 0
 
     def buffers(self) -> list[Tensor]:
         """The int64 sums, to all-reduce (SUM) across processes in place."""
+        self._flush()
         return [self._sum]
 
     def result(self, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
+        self._flush()
         values = (self._sum.to(torch.float64) / self.scale).to(dtype)
         pieces = values.split(self._sizes)
         return {
