@@ -52,7 +52,7 @@ from pflbench.model.optim import make_central_optimizer
 from pflbench.model.transformer import CTCTransformer, build_model, cape_positions, ctc_losses
 from pflbench.numerics import cpu_kernels, package_versions
 from pflbench.progress import make_progress
-from pflbench.seeds import keyed_seed
+from pflbench.seeds import keyed_seed, seed_global_draws
 from pflbench.spec.models import CentralRecipe, Recipe, SpecAugmentRecipe, Task
 from pflbench.spec.registry import builtin_spec_root
 from pflbench.spec.resolve import canonical_json
@@ -241,7 +241,7 @@ def train_central(
                 break
             if step < start:
                 continue
-            torch.manual_seed(keyed_seed(seed, "step", step))  # dropout, CAPE, layer drop
+            seed_global_draws(keyed_seed(seed, "step", step), device)  # dropout, CAPE, layer drop
             for group in opt.param_groups:
                 group["lr"] = step_decay_lr(recipe, step)
             items = [utterances[i] for i in idx]

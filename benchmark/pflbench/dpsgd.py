@@ -40,7 +40,7 @@ from pflbench.model.optim import make_central_optimizer
 from pflbench.model.transformer import CTCTransformer, ctc_losses
 from pflbench.privacy.noise import noise_generator
 from pflbench.privacy.sampling import sample_cohort
-from pflbench.seeds import keyed_seed
+from pflbench.seeds import keyed_seed, seed_global_draws
 from pflbench.spec.models import Recipe
 
 
@@ -96,7 +96,8 @@ class ExampleDPSGD:
         the fraction of examples clipping scaled down (`clipped`; a non-private diagnostic) and
         how many examples were zeroed for a NaN/Inf gradient (`nonfinite`)."""
         step = self.step
-        torch.manual_seed(keyed_seed(self.seed, "step", step))  # dropout, CAPE, layer drop
+        # dropout, CAPE, layer drop
+        seed_global_draws(keyed_seed(self.seed, "step", step), self.device)
         lr = step_decay_lr(self.schedule, step)
         for group in self.optimizer.param_groups:
             group["lr"] = lr

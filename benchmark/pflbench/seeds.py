@@ -27,3 +27,13 @@ def keyed_generator(*key: int | str, device: str | torch.device = "cpu") -> torc
     generator = torch.Generator(device=device)
     generator.manual_seed(keyed_seed(*key))
     return generator
+
+
+def seed_global_draws(seed: int, device: str | torch.device) -> None:
+    """Seed the global generators that the model's own draws (dropout, CAPE, layer drop) use on
+    `device`: the CPU's and, on CUDA, every GPU's, as `torch.manual_seed` does. Called per
+    client, so not `torch.manual_seed` itself: it also records a stack trace for CUDA's lazy
+    seeding, ~1 ms a call in the trainer's deep stack."""
+    torch.default_generator.manual_seed(seed)
+    if torch.device(device).type == "cuda":
+        torch.cuda.manual_seed_all(seed)  # CUDA is initialized here: seeded now, no trace

@@ -37,7 +37,7 @@ from pflbench.data.store import Utterance
 from pflbench.fl.algorithms import ClientAlgorithm
 from pflbench.fl.local_update import LocalUpdate
 from pflbench.model.transformer import cape_positions, ctc_losses
-from pflbench.seeds import keyed_generator, keyed_seed
+from pflbench.seeds import keyed_generator, keyed_seed, seed_global_draws
 from pflbench.spec.models import ClientRecipe, SpecAugmentRecipe
 
 
@@ -147,7 +147,7 @@ class ClientTrainer(ABC):
     ):
         """`model`: this trainer's own copy; `params`/`grads`: its trained tensors and their
         gradients as [G, ...] views (what its forward reads and its backward accumulates into)."""
-        self.model = model
+        self.model = model.train()  # its own copy, only ever trained
         self.names = list(trained)
         self.algorithm = algorithm
         self.recipe, self.augment = algorithm.recipe, spec_augment_recipe
@@ -253,7 +253,6 @@ class ClientTrainer(ABC):
 
         self.update.start(global_params)
         algorithm.start_group(self.update, users, step)
-        self.model.train()
         total_loss = torch.zeros(self.group_size, device=self.device)
         frames = [0] * len(plans)
         for k in range(max(len(p.schedule) for p in plans)):
@@ -334,7 +333,7 @@ class SequentialClientTrainer(ClientTrainer):
 
     def _key_model_draws(self, plans: list[ClientPlan]) -> None:
         # CAPE (drawn first, by _group_inputs), then dropout and layer drop in the forward
-        torch.manual_seed(plans[0].model_seed)
+        seed_global_draws(plans[0].model_seed, self.device)
 
     def _group_losses(self, feats, feat_lens, positions, targets, target_lens, weights):
         log_probs, out_lens = self.model(feats[0], feat_lens[0], positions[0])
