@@ -15,7 +15,7 @@ from pflbench.fl.server import ServerOptimizer, exponential_decay_lr
 from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS, trust_ratios
 from pflbench.model.optim import trust_ratio
 from pflbench.privacy.sampling import sample_cohort
-from pflbench.seeds import keyed_seed
+from pflbench.seeds import keyed_seed, seed_global_draws
 from pflbench.spec.models import LrDecay, ServerRecipe
 
 # ---------------------------------------------------------------------------------------------
@@ -360,3 +360,16 @@ def test_the_top_set_holds_at_most_p_percent(layers, percent):
 
 def test_layer_scores_are_squared_gradient_sums_per_dimension():
     assert layer_scores({"w": 12.0, "b": 3.0}, {"w": 4, "b": 1}) == {"w": 3.0, "b": 3.0}
+
+
+def test_seed_global_draws_seeds_as_torch_manual_seed_does():
+    """The trainer seeds the model's draws without torch.manual_seed (its cost per client): the
+    CPU stream after it is torch.manual_seed's, and another seed gives another stream."""
+    torch.manual_seed(123)
+    expected = (torch.rand(5), torch.randn(5), torch.randint(0, 10**6, (5,)))
+    torch.manual_seed(7)  # a different state before
+    seed_global_draws(123, "cpu")
+    drawn = (torch.rand(5), torch.randn(5), torch.randint(0, 10**6, (5,)))
+    assert all(torch.equal(a, b) for a, b in zip(expected, drawn, strict=True))
+    seed_global_draws(124, "cpu")
+    assert not torch.equal(torch.rand(5), expected[0])
