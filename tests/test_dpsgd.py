@@ -500,3 +500,11 @@ def test_the_leaderboard_labels_the_epsilon_per_example(dp_run, specs_dir):  # n
     epsilon = record.privacy.simulated.epsilon["opacus-rdp"].epsilon
     assert f"{epsilon:.3g} opacus-rdp, per example" in row
     assert "not comparable" in text and "per example" in text.split(row)[0]
+    # cohort and central steps: the batch B and steps T its ε is computed at
+    cells = [c.strip() for c in row.split("|")]
+    after_epsilon = cells.index(f"{epsilon:.3g} opacus-rdp, per example") + 1  # σ_DP, C, ...
+    simulated = record.privacy.simulated
+    assert cells[after_epsilon + 2 : after_epsilon + 4] == [
+        f"{simulated.cohort:g}",
+        str(config.recipe.fine_tune.steps),
+    ]

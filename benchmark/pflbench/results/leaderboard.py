@@ -168,6 +168,15 @@ def central_steps(record: ResultRecord) -> int | None:
     return (_recipe(record).get("federated") or {}).get("central_steps")
 
 
+def scale_cells(record: ResultRecord) -> list[str]:
+    """The table's cohort and central steps; for example-level DP-SGD its expected batch B and its
+    steps T, which its ε is computed at (its record counts no federated steps)."""
+    if per_example(record):
+        simulated = record.privacy.simulated
+        return [fmt_number(simulated.cohort, "g"), fmt_number(simulated.steps, "d")]
+    return [fmt_number(cohort_size(record), "g"), fmt_number(central_steps(record), "d")]
+
+
 def claimed_accountant(record: ResultRecord) -> str:
     """The accountant whose ε the record claims: its statement's, else its budget's, else rdp
     (records written before claims were named, and the papers' moments accountant)."""
@@ -364,7 +373,7 @@ def render_table(
         cells += [fmt_wer(row.wers(c)) + fmt_ci(row, c) for c in columns]
         cells += [fmt_epsilon(row, "extrapolated"), fmt_epsilon(row, "simulated")]
         cells += [fmt_sigma(record), fmt_number(clip_bound(record))]
-        cells += [fmt_number(cohort_size(record), "g"), fmt_number(central_steps(record), "d")]
+        cells += scale_cells(record)
         cells += [fmt_gpu_hours(row), ", ".join(r.record_id for r in row.records)]
         cells += [max(r.created for r in row.records)[:10], fmt_source(row)]
         cells += [fmt_checked(row, reevaluated)]
@@ -417,6 +426,8 @@ def budget_title(name: str, budget: Budget | None) -> str:
             "Example-level ε: one DP neighbour differs in one example (an utterance), not in"
             " all of a user's data, at each run's own number of examples, batch and steps (no"
             " extrapolation). It is not comparable with the user-level ε of the other tables."
+            " Here the cohort is the expected batch B of examples per step and the central steps"
+            " are DP-SGD's steps T."
         )
     return (
         f"### budget `{name}`: ({budget.epsilon:g}, {budget.delta:g})-DP at K = "
