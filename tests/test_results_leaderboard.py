@@ -21,7 +21,7 @@ from pflbench.results.leaderboard import (
     reevaluated_ids,
     render_leaderboard,
 )
-from pflbench.results.schema import Outputs, schema_json
+from pflbench.results.schema import schema_json
 from pflbench.spec.models import Budget
 
 REPO = Path(__file__).parents[1]
@@ -115,25 +115,20 @@ def test_record_filed_in_the_wrong_place_is_refused(tmp_path):
 
 
 def test_the_checked_column_says_how_far_each_rows_wer_was_recomputed(tmp_path):
-    """Records filed before runs stored hypotheses are "not re-scored"; with hypotheses they are
-    "re-scored" (CI re-scores them), and with a filed verification stamp "re-evaluated"."""
+    """Every filed run record is "re-scored" (CI re-scores it from its hypotheses); one filed with
+    a verification stamp is "re-evaluated"."""
     root = copy_golden(tmp_path)
     files = load_result_files(root)
     fedavg = sorted(
         (path, r) for path, r, _ in files if r.task.name == "fx-task" and r.baseline == "fedavg"
     )
     assert len(fedavg) == 3  # one row of three seeds
-    outputs = Outputs(final_model="0" * 64, hypotheses={"cv-dev": "1" * 64, "cv-test": "2" * 64})
-    with_outputs = {fedavg[0][1].record_id, fedavg[1][1].record_id}
-    records = [
-        r.model_copy(update={"outputs": outputs}) if r.record_id in with_outputs else r
-        for _, r, _ in files
-    ]
+    records = [r for _, r, _ in files]
     # A stamp beside a filed record: the file is the record's, not a record of its own.
     stamp_dir = filed_dir(fedavg[0][0])
     stamp_dir.mkdir()
     (stamp_dir / VERIFICATION_FILE).write_text("{}")
-    assert [r for _, r, _ in load_result_files(root)] == [r for _, r, _ in files]
+    assert [r for _, r, _ in load_result_files(root)] == records
     reevaluated = reevaluated_ids(load_result_files(root))
     assert reevaluated == {fedavg[0][1].record_id}
     text = render_leaderboard(records, VERSIONS, BUDGETS, reevaluated=reevaluated)
@@ -143,10 +138,10 @@ def test_the_checked_column_says_how_far_each_rows_wer_was_recomputed(tmp_path):
         if line.startswith("| ") and line.split(" | ")[0][2:].isdigit()
     }
     row = ", ".join(sorted(r.record_id for _, r in fedavg))
-    assert checked.pop(row) == "1 not re-scored, 1 re-evaluated, 1 re-scored"
+    assert checked.pop(row) == "1 re-evaluated, 2 re-scored"
     central = next(r.record_id for r in records if r.kind == "reference")
     assert checked.pop(central) == "–"
-    assert len(checked) >= 5 and set(checked.values()) == {"not re-scored"}
+    assert len(checked) >= 5 and set(checked.values()) == {"re-scored"}
     # A file in a folder without its record is not a filed record's: it is refused.
     stray = root / "fx-task" / "fx-dp" / ("0" * 16) / VERIFICATION_FILE
     stray.parent.mkdir()

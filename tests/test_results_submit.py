@@ -2,7 +2,7 @@
 
 The records here are made up around honest hypotheses: each eval set's references from the tiny
 synthetic Common-Voice-like corpus with a few words dropped, and the figures that pflbench's own
-re-scoring gives for them (the same way an honest privacy claim comes from privacy_statement)."""
+re-scoring gives for them (as an honest privacy claim is a run's own: privacy_claim)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from pflbench.errors import UserError
-from pflbench.privacy.statement import privacy_statement
+from pflbench.privacy.run import privacy_claim
 from pflbench.results.bench import synthetic_record
 from pflbench.results.leaderboard import load_results, render_leaderboard
 from pflbench.results.rescore import DataOptions, rescored
@@ -24,8 +24,9 @@ from pflbench.results.schema import (
     compute_record_id,
     load_record,
 )
-from pflbench.results.submit import record_path, submit, validate_record
+from pflbench.results.submit import current_config, record_path, submit
 from pflbench.rundir import HYPOTHESES_DIR, hypotheses_content, write_hypotheses
+from pflbench.spec.models import RunConfig
 from pflbench.spec.names import safe_name
 from pflbench.spec.registry import load_registry
 from pflbench.spec.resolve import config_json_hash, resolve
@@ -65,19 +66,7 @@ def make_record(
     """A record of fx-task whose figures are those of its hypotheses (HYPOTHESES[seed]): the
     references, with the last word of every (3 + seed)-th utterance dropped."""
     config = resolve(registry, "fx-task", "perlayer-dim", budget, seed)
-    privacy = None
-    if config.budget.dp:
-        fed = config.recipe.federated
-        privacy = privacy_statement(
-            sigma_dp=sigma_dp,
-            clip_bound=config.recipe.privacy.clip_bound,
-            cohort=fed.cohort_size,
-            population=POPULATION,
-            steps=fed.central_steps,
-            delta=config.budget.delta,
-            sampling=fed.sampling,
-            budget=config.budget,
-        )
+    privacy = privacy_claim(config, sigma_dp if config.budget.dp else 0.0, POPULATION)
     eval_data = data.eval_data(config.task)
     results, final = {}, {}
     for eval_set in config.task.eval_sets:
@@ -220,8 +209,8 @@ def test_a_record_from_before_prv_with_rdp_and_pld_claims_only_is_filed(
     tmp_path, registry, data, dp_record
 ):
     record = copy.deepcopy(dp_record)
-    for scale in ("simulated", "extrapolated"):
-        del record["privacy"][scale]["epsilon"]["prv"]
+    config = RunConfig.model_validate(record["config"])
+    record["privacy"] = privacy_claim(config, SIGMA_DP, POPULATION, accountants=("rdp", "pld"))
     run_dir = write_run(tmp_path / "run", finalize(record))
     accepted = accept(run_dir, tmp_path / "results", registry, data)
     assert set(accepted.record.privacy.extrapolated.epsilon) == {"rdp", "pld"}
@@ -259,7 +248,9 @@ def test_a_claim_by_another_accountant_than_the_budgets_is_refused(tmp_path, reg
 def test_a_run_with_more_steps_than_its_budget_is_refused(tmp_path, registry, dp_record):
     record = copy.deepcopy(dp_record)
     record["config"]["recipe"]["federated"]["central_steps"] = 60  # fx-dp: T = 50
+    record["config"]["overrides"] = {"federated.central_steps": "60"}  # run with --set
     record["privacy"]["simulated"]["steps"] = 60
+    record["compute"]["central_steps"] = 60
     refused(tmp_path, registry, finalize(record), "60 central steps .* T = 50")
 
 
@@ -457,16 +448,16 @@ def test_cli_submit_then_validate(tmp_path, dp_record, data, monkeypatch):
     assert result.exit_code != 0 and "does not match its content" in str(result.exception)
 
 
-def test_a_run_from_before_hypotheses_were_stored_validates_but_cannot_be_submitted(tmp_path):
+def test_a_run_from_before_hypotheses_were_stored_is_refused_naming_why(tmp_path):
     """A run folder written by `pflbench run` before runs kept their hypotheses (synth task, 2
-    central steps, no checkpoints): its record is valid (as filed ones are), but its WER cannot
-    be re-scored, so submit refuses it before preparing any data."""
+    central steps, no checkpoints): its WER cannot be re-scored, so no pflbench command accepts
+    its record (a hypothesis-less record in results/ would be a WER pflbench never computed)."""
     run_dir = Path(__file__).parent / "fixtures" / "results" / "run-synth"
-    record, raw = load_record(run_dir / "record.json")
-    validate_record(record, raw, load_registry(), "record.json", stale_ok=True)
-    assert record.outputs is None
-    assert record.privacy.extrapolated.epsilon["rdp"].epsilon <= 7.2
-    with pytest.raises(UserError, match="names no stored hypotheses .* run it again"):
+    raw = json.loads((run_dir / "record.json").read_text())
+    assert raw["kind"] == "run" and "outputs" not in raw
+    with pytest.raises(UserError, match="(?s)record.json: invalid record.*needs outputs"):
+        load_record(run_dir / "record.json")
+    with pytest.raises(UserError, match="needs outputs .* must be run again"):
         submit(run_dir, tmp_path / "results", load_registry(), stale_ok=True)
     assert not (tmp_path / "results").exists()
 
@@ -477,3 +468,118 @@ def test_a_record_stating_older_numerics_is_refused_unless_stale(tmp_path, regis
     record["software"]["numerics_version"] = 1
     record = finalize(record)
     refused(tmp_path, registry, record, "numerics version 1, this pflbench as 2")
+
+
+# ----------------------------------------------------------------------------------------------
+# Re-stamped edits: a record edited with its config hash and record id recomputed (the public
+# formulas, `finalize`) still names a run pflbench did not make; each is refused by what it says.
+
+
+def test_a_config_edited_and_rehashed_is_not_its_baselines_run(tmp_path, registry, data, dp_record):
+    record = copy.deepcopy(dp_record)
+    record["config"]["recipe"]["federated"]["client"]["lr"] = 0.9  # not perlayer-dim's 0.2 … lr
+    refused(tmp_path, registry, finalize(record), "client.lr is 0.9, but task 'fx-task' with")
+    # The same recipe, stated as the --set it took, is that run: filed (and labelled with it).
+    record["config"]["overrides"] = {"federated.client.lr": "0.9"}
+    accepted = accept(
+        write_run(tmp_path / "honest", finalize(record)), tmp_path / "res", registry, data
+    )
+    assert accepted.record.config["overrides"] == {"federated.client.lr": "0.9"}
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (("how",), "epsilon computed by hand.", "privacy.how is 'epsilon computed by hand.'"),
+        (("extrapolated", "target_epsilon"), 1.0, "privacy.extrapolated.target_epsilon is 1.0"),
+        (("extrapolated", "budget"), "eps1", "privacy.extrapolated.budget is 'eps1'"),
+    ],
+)
+def test_every_field_of_the_privacy_statement_is_pflbenchs(
+    tmp_path, registry, dp_record, path, value, message
+):
+    record = copy.deepcopy(dp_record)
+    node = record["privacy"]
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    refused(tmp_path, registry, finalize(record), re.escape(message) + ".* statement .* says")
+
+
+def test_a_run_record_without_a_privacy_statement_is_refused(tmp_path, registry, data):
+    record = finalize({**make_record(registry, data, budget="fx-nodp"), "privacy": None})
+    refused(tmp_path, registry, record, "privacy is missing")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("central_steps", 4000, "compute.central_steps is 4000, but the config"),
+        ("cohort_per_step", [8] * 3, "cohort_per_step has 3 entries, one per central step is 20"),
+    ],
+)
+def test_the_central_steps_a_record_counts_are_its_configs(
+    tmp_path, registry, dp_record, field, value, message
+):
+    record = copy.deepcopy(dp_record)
+    record["compute"][field] = value
+    refused(tmp_path, registry, finalize(record), message)
+
+
+def test_a_run_filed_twice_is_refused_wherever_records_are_read(
+    tmp_path, registry, data, dp_record
+):
+    """A copy of a filed record with a new id (here: another `created`) would count as one more
+    seed of its row; `submit` refuses it, and so does every reader of results/ (the leaderboard,
+    `results validate`, CI's `results rescore`) when it was copied in by hand."""
+    results = tmp_path / "results"
+    filed = accept(write_run(tmp_path / "run", dp_record), results, registry, data).path
+    copy_ = finalize({**copy.deepcopy(dp_record), "created": "2026-04-01T00:00:00+00:00"})
+    (filed.parent / f"{copy_['record_id']}.json").write_text(json.dumps(copy_))
+    with pytest.raises(UserError, match=r"the same config \(seed included\) as") as refusal:
+        load_results(results)
+    assert str(filed) in str(refusal.value) and copy_["record_id"] in str(refusal.value)
+
+
+def test_a_record_with_a_key_given_twice_is_refused(tmp_path, dp_record):
+    text = json.dumps(dp_record)
+    path = tmp_path / "record.json"
+    path.write_text(text.replace("{", '{"seed": 7, ', 1))  # json would keep the later seed
+    with pytest.raises(UserError, match="record.json: not valid JSON: duplicate key 'seed'"):
+        load_record(path)
+
+
+@pytest.mark.parametrize(
+    ("section", "field", "value"),
+    [
+        ("diagnostics", "clipped_fraction_mean", 7.0),
+        ("compute", "wall_seconds", -5.0),
+        ("compute", "gpu_hours", -1.0),
+        ("compute", "cohort_per_step", [-1]),
+    ],
+)
+def test_impossible_measurements_are_invalid(tmp_path, dp_record, section, field, value):
+    record = copy.deepcopy(dp_record)
+    record[section][field] = value
+    path = tmp_path / "record.json"
+    path.write_text(json.dumps(finalize(record)))
+    with pytest.raises(UserError, match=f"invalid record\n  {section}.{field}"):
+        load_record(path)
+
+
+@pytest.mark.parametrize(
+    ("client", "algorithm"),
+    [
+        ({"fedprox_mu": 0.001}, "fedprox"),
+        ({"max_utterances": 32}, "data-limit"),
+        ({"variational_noise": {"std": 0.01, "ramp_steps": 0}}, "fvn"),
+        ({}, None),  # fedavg: the default, left out of the config
+        ({"fedprox_mu": 0.001, "max_utterances": 32}, None),  # no single algorithm today
+        ({"algorithm": "scaffold", "fedprox_mu": 0.0}, "scaffold"),  # named: kept
+    ],
+)
+def test_a_config_from_before_client_algorithms_were_named_is_read_as_it_ran(client, algorithm):
+    stored = {"recipe": {"federated": {"client": {"lr": 0.2, **client}}}}
+    current = current_config(stored)["recipe"]["federated"]["client"]
+    assert current.get("algorithm") == algorithm
+    assert "algorithm" not in stored["recipe"]["federated"]["client"] or client.get("algorithm")

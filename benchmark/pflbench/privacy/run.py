@@ -7,8 +7,10 @@ same rules (results/submit.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from pflbench.errors import UserError
-from pflbench.privacy.accountants import compute_epsilon
+from pflbench.privacy.accountants import ACCOUNTANTS, compute_epsilon
 from pflbench.privacy.audit import check_audit
 from pflbench.privacy.example import check_budget_unit, check_example_recipe
 from pflbench.privacy.mechanisms import check_mechanism_recipe
@@ -76,8 +78,11 @@ def epsilon_so_far(config: RunConfig, sigma_dp: float, population: int, steps: i
     return compute_epsilon(described, config.budget.delta or DEFAULT_DELTA, "rdp").epsilon
 
 
-def privacy_claim(config: RunConfig, sigma_dp: float, population: int) -> dict:
-    """The record's `privacy`: the statement of a federated run, or why a reference row has none."""
+def privacy_claim(
+    config: RunConfig, sigma_dp: float, population: int, accountants: Sequence[str] = ACCOUNTANTS
+) -> dict:
+    """The record's `privacy`: the statement of a federated run, or why a reference row has none.
+    `accountants`: whose ε it states (a run: every registered one; older records had fewer)."""
     if config.recipe.training != "federated":
         return {"dp": False, "how": NO_FL_PRIVACY[config.recipe.training]}
     fed = config.recipe.federated
@@ -92,6 +97,7 @@ def privacy_claim(config: RunConfig, sigma_dp: float, population: int) -> dict:
         budget=config.budget if config.budget.dp else None,
         pseudo_users=config.task.federated_data.iid,
         privacy=config.recipe.privacy,
+        accountants=tuple(accountants),
     )
     adaptive = config.recipe.privacy.adaptive_clip
     if adaptive is not None:

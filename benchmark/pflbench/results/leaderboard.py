@@ -48,8 +48,7 @@ HEADER = (
     "Checked: *re-scored* = every WER/CER figure was computed again from the run's stored "
     "hypotheses and the eval sets' own references (by `pflbench submit`, and by CI for every "
     "filed record); *re-evaluated* = re-scored, and `pflbench verify` evaluated the final "
-    "checkpoint the record names again and got the record's numbers; *not re-scored* = filed "
-    "before runs stored their hypotheses: its WER is the submitter's.\n"
+    "checkpoint the record names again and got the record's numbers.\n"
 )
 
 
@@ -65,7 +64,10 @@ def filed_dir(record_file: Path) -> Path:
 
 def load_result_files(root: Path) -> list[tuple[Path, ResultRecord, dict]]:
     """(path, record, raw JSON) of every record under results/: <task>/<budget>/<id>.json and
-    paper/<name>.json, each validated and checked to be filed where it belongs."""
+    paper/<name>.json, each validated and checked to be filed where it belongs, and no config
+    (seed included) filed twice: `submit` refuses a second run of one config, and a copy would
+    count as a seed of its own. (Two configs may share a final model: seed-only runs of any seed,
+    per-layer clip and normalize where every layer is clipped.)"""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root}: no results folder")
@@ -79,6 +81,13 @@ def load_result_files(root: Path) -> list[tuple[Path, ResultRecord, dict]]:
         record, raw = load_record(path)
         check_filed_where_it_belongs(record, rel, path)
         found.append((path, record, raw))
+    runs: dict[str, Path] = {}
+    for path, record, _ in found:
+        if record.kind == "run" and runs.setdefault(record.config_hash, path) != path:
+            raise UserError(
+                f"{path}: the same config (seed included) as {runs[record.config_hash]}; a run is "
+                "filed once: remove one of them"
+            )
     return found
 
 
@@ -330,9 +339,7 @@ def eval_columns(records: list[ResultRecord]) -> list[str]:
 
 
 def check_status(record: ResultRecord, reevaluated: set[str]) -> str:
-    if record.record_id in reevaluated:
-        return "re-evaluated"
-    return "not re-scored" if record.outputs is None else "re-scored"
+    return "re-evaluated" if record.record_id in reevaluated else "re-scored"
 
 
 def fmt_checked(row: Row, reevaluated: set[str]) -> str:

@@ -28,7 +28,7 @@ from typing import Any
 from pflbench.data.prepare import EvalData, prepare_eval_data
 from pflbench.errors import UserError
 from pflbench.evaluate import Transcript, eval_summary, score, with_groups
-from pflbench.results.schema import EvalResult, Outputs, ResultRecord
+from pflbench.results.schema import EvalResult, ResultRecord
 from pflbench.rundir import HYPOTHESES_DIR, hypotheses_file, read_hypotheses
 from pflbench.spec.models import EvalSet, Task
 
@@ -102,21 +102,12 @@ def rescored(eval_set: EvalSet, data: EvalData, hypotheses: dict[str, str], wher
     return EvalResult.model_validate(eval_summary({eval_set.name: result})[eval_set.name])
 
 
-def require_outputs(record: ResultRecord, where: str) -> Outputs:
-    if record.outputs is None:
-        raise UserError(
-            f"{where}: the record names no stored hypotheses (no `outputs`): it was written by a "
-            "pflbench that did not keep them, so its WER cannot be re-scored; run it again"
-        )
-    return record.outputs
-
-
 def rescore_record(
     record: ResultRecord, eval_sets: list[EvalSet], folder: Path, data: EvalData, where: str
 ) -> None:
     """Re-score a run record (`eval_sets`: its config's) from the hypotheses files in `folder`;
     a UserError names the first figure that differs, with both values."""
-    outputs = require_outputs(record, where)
+    outputs = record.outputs  # a run record has them (schema)
     names = sorted(e.name for e in eval_sets)
     for what, found in (
         ("metrics.final", record.metrics.final),
@@ -156,6 +147,5 @@ def rescore_record(
 def rescore_run_dir(record: ResultRecord, task: Task, run_dir: Path, data: DataOptions) -> None:
     """Re-score the record of a run directory from its hypotheses/ (what `submit` does)."""
     where = str(Path(run_dir) / "record.json")
-    require_outputs(record, where)  # before preparing any data
     folder = Path(run_dir) / HYPOTHESES_DIR
     rescore_record(record, task.eval_sets, folder, data.eval_data(task), where)

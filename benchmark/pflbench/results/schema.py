@@ -254,10 +254,10 @@ class CpuKernels(Strict):
 class Compute(Strict):
     """Optional fields are unknown for reference rows (a paper rarely reports them)."""
 
-    wall_seconds: float | None = None
+    wall_seconds: float | None = Field(None, ge=0)
     device: str | None = None
     device_name: str | None = None
-    num_processes: int | None = None
+    num_processes: int | None = Field(None, ge=1)
     intra_op_threads: int | None = Field(
         None,
         description="torch's CPU threads per process: float sums, hence the numbers, depend on "
@@ -270,9 +270,9 @@ class Compute(Strict):
         "inductor); null: eager (absent: eager or an older record). Compiled kernels round "
         "differently, so a compiled run's numbers differ from the eager run's in float rounding.",
     )
-    gpu_hours: float | None = None
-    central_steps: int | None = None
-    cohort_per_step: list[int] | None = Field(
+    gpu_hours: float | None = Field(None, ge=0)
+    central_steps: int | None = Field(None, ge=0)
+    cohort_per_step: list[Annotated[int, Field(ge=0)]] | None = Field(
         None, description="Users that took part in each central step (realized, not expected)."
     )
     cfmq: Cfmq | None = None
@@ -352,7 +352,7 @@ class Diagnostics(Strict):
 
     private: Literal[False] = False
     nonfinite_updates: int = Field(0, ge=0)
-    clipped_fraction_mean: float | None = None
+    clipped_fraction_mean: float | None = Field(None, ge=0, le=1)
 
 
 class ResultRecord(Strict):
@@ -377,8 +377,8 @@ class ResultRecord(Strict):
     diagnostics: Diagnostics | None = None
     outputs: Outputs | None = Field(
         None,
-        description="Absent in records written before runs stored their hypotheses: such a "
-        "record is not re-scored (the leaderboard says so).",
+        description="Required in a run record (every WER/CER figure is re-scored from these "
+        "hypotheses); absent in reference rows.",
     )
 
     @model_validator(mode="after")
@@ -394,6 +394,11 @@ class ResultRecord(Strict):
             missing = [name for name in needed if getattr(self, name) is None]
             if missing:
                 raise ValueError(f"a run record needs {', '.join(missing)}")
+            if self.outputs is None:
+                raise ValueError(
+                    "a run record needs outputs (its stored hypotheses): without them its WER "
+                    "cannot be re-scored; records written before runs kept them must be run again"
+                )
         return self
 
 
@@ -414,8 +419,18 @@ def _json_constant(value: str) -> float:
     return float(value)
 
 
+def _object_without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
+    # json keeps the last of two equal keys; a reader of the file may believe the first.
+    found = dict(pairs)
+    if len(found) != len(pairs):
+        seen = set()
+        key = next(k for k, _ in pairs if k in seen or seen.add(k))
+        raise ValueError(f"duplicate key {key!r}")
+    return found
+
+
 def read_json_file(path: Path, limit: int = MAX_RECORD_BYTES) -> Any:
-    """JSON from a file of at most `limit` bytes (NaN refused)."""
+    """JSON from a file of at most `limit` bytes (NaN and duplicate keys refused)."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such file")
@@ -423,7 +438,11 @@ def read_json_file(path: Path, limit: int = MAX_RECORD_BYTES) -> Any:
     if size > limit:
         raise UserError(f"{path}: {size} bytes is over the {limit}-byte limit for a record")
     try:
-        return json.loads(path.read_bytes(), parse_constant=_json_constant)
+        return json.loads(
+            path.read_bytes(),
+            parse_constant=_json_constant,
+            object_pairs_hook=_object_without_duplicate_keys,
+        )
     except (ValueError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: not valid JSON: {exc}") from None
 

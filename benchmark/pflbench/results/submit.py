@@ -30,7 +30,7 @@ from pflbench.results.schema import (
 from pflbench.spec.models import Budget, PrivacyRecipe, RunConfig
 from pflbench.spec.names import safe_name
 from pflbench.spec.registry import Registry, format_validation_error
-from pflbench.spec.resolve import config_json_hash
+from pflbench.spec.resolve import config_json_hash, resolve
 
 if TYPE_CHECKING:
     from pflbench.privacy.accounting import MechanismDescription
@@ -73,9 +73,28 @@ def _close(a: float, b: float, rtol: float) -> bool:
 RETIRED_RECIPE_KEYS = (("privacy", "accountant"), ("federated", "layer_freeze", "warm_batches"))
 
 
+def _algorithm_run_before_it_was_named(client: dict) -> str | None:
+    """The client algorithm a config from before `federated.client.algorithm` existed ran: the
+    code then applied FedProx, variational noise and the data limit wherever their fields were
+    set (fl/algorithms took them over bitwise); None where more than one is set (no single
+    algorithm today)."""
+    noise = client.get("variational_noise") or {}
+    active = [
+        name
+        for name, on in (
+            ("fedprox", (client.get("fedprox_mu") or 0) > 0),
+            ("fvn", (noise.get("std") or 0) > 0),
+            ("data-limit", client.get("max_utterances") is not None),
+        )
+        if on
+    ]
+    return "fedavg" if not active else active[0] if len(active) == 1 else None
+
+
 def current_config(stored: dict) -> dict:
     """A stored config in today's RunConfig shape: retired recipe keys are dropped from the run's
-    recipe and the task's (the hash is checked on the config as stored)."""
+    recipe and the task's, and a client algorithm from before it was named is named (the hash is
+    checked on the config as stored)."""
     config = copy.deepcopy(stored)
     for recipe in (config.get("recipe"), (config.get("task") or {}).get("recipe")):
         for *parents, key in RETIRED_RECIPE_KEYS:
@@ -84,6 +103,11 @@ def current_config(stored: dict) -> dict:
                 node = node.get(parent) if isinstance(node, dict) else None
             if isinstance(node, dict):
                 node.pop(key, None)
+        client = ((recipe or {}).get("federated") or {}).get("client")
+        if isinstance(client, dict) and "algorithm" not in client:
+            algorithm = _algorithm_run_before_it_was_named(client)
+            if algorithm not in (None, "fedavg"):  # fedavg is the default: left out of dumps
+                client["algorithm"] = algorithm
     return config
 
 
@@ -115,6 +139,31 @@ def check_config(record: ResultRecord, raw: dict, where: str) -> RunConfig:
     return config
 
 
+def check_config_resolves(config: RunConfig, registry: Registry, where: str) -> None:
+    """The stored config is what the registry resolves for its task, baseline, budget, seed and
+    --set overrides: a config edited in place, its hash recomputed, would credit a baseline with
+    a run of another recipe. Checked on current records only (an older task version no longer
+    resolves)."""
+    from pflbench.results.rescore import first_difference
+
+    sets = [f"{key}={value}" for key, value in config.overrides.items()]
+    names = (config.task.name, config.baseline.name, config.budget.name)
+    fresh = resolve(registry, *names, config.seed, sets)
+    # What ran: the task (data, eval sets) and the recipe; the baseline's own text may be reworded.
+    found = first_difference(
+        config.model_dump(mode="json", include={"task", "recipe"}),
+        fresh.model_dump(mode="json", include={"task", "recipe"}),
+        "config",
+    )
+    if found is not None:
+        field, stored, resolved = found
+        raise UserError(
+            f"{where}: {field} is {stored!r}, but task {names[0]!r} with baseline {names[1]!r}, "
+            f"budget {names[2]!r} and the record's --set overrides {config.overrides} resolve to "
+            f"{resolved!r}: the config is not the one its baseline runs"
+        )
+
+
 def check_run_dir_config(run_dir: Path, record: ResultRecord) -> None:
     """The run directory's config.json is the config the record was made from."""
     path = run_dir / "config.json"
@@ -123,6 +172,24 @@ def check_run_dir_config(run_dir: Path, record: ResultRecord) -> None:
         raise UserError(
             f"{path}: the resolved config of the run does not match the record's config_hash "
             f"{record.config_hash}"
+        )
+
+
+def check_compute_steps(record: ResultRecord, config: RunConfig, where: str) -> None:
+    """The central steps the record counts (the leaderboard shows them) are its config's, one
+    cohort size per step; runs without federated training take none."""
+    recipe = config.recipe
+    expected = recipe.federated.central_steps if recipe.training == "federated" else 0
+    compute = record.compute
+    if compute.central_steps != expected:
+        raise UserError(
+            f"{where}: compute.central_steps is {compute.central_steps!r}, but the config "
+            f"(training: {recipe.training}) runs {expected}"
+        )
+    if compute.cohort_per_step is not None and len(compute.cohort_per_step) != expected:
+        raise UserError(
+            f"{where}: compute.cohort_per_step has {len(compute.cohort_per_step)} entries, one "
+            f"per central step is {expected}"
         )
 
 
@@ -226,6 +293,38 @@ def check_record_privacy(
         if scale == "extrapolated":
             fresh_ext = fresh[claimed]
     _check_within_budget(fresh_ext, budget, where, "extrapolated", claimed, "extrapolated scale")
+
+
+def check_privacy_statement(privacy: dict | None, config: RunConfig, where: str) -> None:
+    """The claim is, field for field, the statement pflbench writes for the config, the claimed
+    σ_DP, the simulated population and the accountants it names (privacy.run.privacy_claim): its
+    `how`, budget and target ε too, not only the numbers check_record_privacy recomputes. Keys
+    other code adds (an algorithm's payload note, the audit: check_audit_claim) are not the
+    statement's; an example-level claim is check_example_privacy's."""
+    from pflbench.privacy.accountants import ACCOUNTANTS
+    from pflbench.privacy.run import privacy_claim
+    from pflbench.results.rescore import differences
+
+    if config.recipe.training == "dpsgd-example":
+        return
+    if privacy is None:
+        raise UserError(f"{where}: privacy is missing: every run record states how private it is")
+    simulated = privacy.get("simulated") or {}
+    named = simulated.get("epsilon") or {}
+    accountants = [name for name in ACCOUNTANTS if name in named] or list(ACCOUNTANTS)
+    fresh = privacy_claim(
+        config, privacy.get("sigma_dp", 0.0), simulated.get("population", 0), accountants
+    )
+    claimed = {key: privacy.get(key) for key in fresh}
+    for field, stated, value in differences(claimed, fresh, "privacy"):
+        numbers = all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in (stated, value)
+        )
+        if not (numbers and _close(float(stated), float(value), EPSILON_RTOL)):
+            raise UserError(
+                f"{where}: {field} is {stated!r}, but pflbench's privacy statement for this "
+                f"config and σ_DP says {value!r}"
+            )
 
 
 def check_example_privacy(privacy: dict, config: RunConfig, budget: Budget, where: str) -> None:
@@ -415,8 +514,12 @@ def validate_record(
     config = check_config(record, raw, where)
     stale = check_task_version(record, registry, where, stale_ok)
     budget = check_budget(config, registry, where)
+    if not stale:
+        check_config_resolves(config, registry, where)
     check_record_privacy(raw.get("privacy"), config, budget, where)
+    check_privacy_statement(raw.get("privacy"), config, where)
     check_audit_claim(raw.get("privacy"), config.recipe.privacy.audit_canaries, where)
+    check_compute_steps(record, config, where)
     return stale
 
 

@@ -41,7 +41,6 @@ from pflbench.results.rescore import (
     DataOptions,
     check_eval_data,
     first_difference,
-    require_outputs,
     rescore_record,
 )
 from pflbench.results.schema import (
@@ -145,7 +144,7 @@ def verify_run(
     record, raw = load_record(run_dir / "record.json")
     if record.kind != "run":
         raise UserError(f"{where}: only run records can be verified (kind is {record.kind!r})")
-    outputs = require_outputs(record, where)
+    outputs = record.outputs
     config = check_config(record, raw, where)
     final = run_dir / "checkpoints" / "final.safetensors"
     if not final.is_file():
@@ -224,7 +223,7 @@ def load_stamp(path: Path) -> Verification:
 
 def check_stamp(stamp: Verification, record: ResultRecord, where: str) -> None:
     """A stamp belongs to the record, names its checkpoint, and its figures are the record's."""
-    outputs = require_outputs(record, where)
+    outputs = record.outputs
     if stamp.record_id != record.record_id or stamp.final_model != outputs.final_model:
         raise UserError(
             f"{where}: it verifies record {stamp.record_id} (checkpoint {stamp.final_model}), "
@@ -248,7 +247,6 @@ def check_filed_stamp(record: ResultRecord, folder: Path, where: str) -> None:
 @dataclass
 class RecheckReport:
     rescored: list[Path]
-    not_rescored: list[Path]  # records from before runs stored hypotheses
     references: int  # paper rows: nothing to re-score
 
 
@@ -256,14 +254,11 @@ def recheck_filed(files: list[tuple[Path, ResultRecord, dict]], data: DataOption
     """Re-score filed records (`leaderboard.load_result_files`' triples) from their filed
     hypotheses, and check each one's verification stamp where it has one; each task's eval data
     are prepared once."""
-    report = RecheckReport([], [], 0)
+    report = RecheckReport([], 0)
     prepared: dict[str, EvalData] = {}
     for path, record, raw in files:
         if record.kind != "run":
             report.references += 1
-            continue
-        if record.outputs is None:
-            report.not_rescored.append(path)
             continue
         task = check_config(record, raw, str(path)).task
         key = canonical_json(task.model_dump(mode="json"))
