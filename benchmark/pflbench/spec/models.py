@@ -8,9 +8,19 @@ that built-in modules and plug-ins fill, and lists the known names in its errors
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer, model_validator
+from pydantic import (
+    AllowInfNan,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictInt,
+    model_serializer,
+    model_validator,
+)
 
 # The descriptions of name fields (pflbench.methods checks the names).
 CORPUS = "A registered corpus (built in: librispeech, commonvoice; plug-ins add more)."
@@ -18,6 +28,19 @@ CORPUS = "A registered corpus (built in: librispeech, commonvoice; plug-ins add 
 # ADDED_LATER)`): while it holds its default it is left out of dumps, so the config hash of every
 # run from before the field existed stays what it was, and a run that sets it hashes it.
 ADDED_LATER = {"added_later": True}
+
+
+def _not_a_bool(value: Any) -> Any:
+    if isinstance(value, bool):
+        raise ValueError("expected a number, not true/false")
+    return value
+
+
+# The scalar types of every spec field. Pydantic's lax mode would read `cohort_size: true` as 1,
+# `steps: "8"` as 8 and `dp: 0` as false: ints and booleans take only their own YAML type.
+# A float takes a YAML int (lr: 1) and a numeric string (PyYAML reads `1e-3`, without a dot, as a
+# string), never a boolean, .inf or .nan.
+FiniteFloat = Annotated[float, AllowInfNan(False), BeforeValidator(_not_a_bool)]
 
 
 class Strict(BaseModel):
@@ -47,9 +70,9 @@ class UserSplit(Strict):
     """A seeded partition of a corpus's users: `part: in` keeps `percent`% of the users, `out` the
     rest (CV-xx-train-10 and CV-xx-train-90 are the two parts of one split)."""
 
-    percent: float = Field(gt=0, lt=100)
+    percent: FiniteFloat = Field(gt=0, lt=100)
     part: Literal["in", "out"]
-    seed: int = 0
+    seed: StrictInt = 0
 
 
 class DataSource(Strict):
@@ -62,7 +85,9 @@ class DataSource(Strict):
     )
     locale: str | None = Field(None, description="Common Voice locale (en, fr, de).")
     user_split: UserSplit | None = None
-    iid: bool = Field(False, description="Reassign each utterance a user id uniformly at random.")
+    iid: StrictBool = Field(
+        False, description="Reassign each utterance a user id uniformly at random."
+    )
 
 
 class EvalSet(Strict):
@@ -78,7 +103,7 @@ class SyntheticData(Strict):
 
     language: Literal["en", "fr", "de"] = "en"
     size: Literal["tiny", "small", "base"] = "small"
-    seed: int = 0
+    seed: StrictInt = 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -87,46 +112,50 @@ class SyntheticData(Strict):
 
 class ModelRecipe(Strict):
     preset: str = "synth-cpu"
-    dropout: float | None = Field(None, ge=0, lt=1, description="None: the preset's value.")
-    layer_drop: float | None = Field(None, ge=0, lt=1, description="None: the preset's value.")
+    dropout: FiniteFloat | None = Field(None, ge=0, lt=1, description="None: the preset's value.")
+    layer_drop: FiniteFloat | None = Field(
+        None, ge=0, lt=1, description="None: the preset's value."
+    )
 
 
 class SpecAugmentRecipe(Strict):
-    enabled: bool = True
-    freq_masks: int = Field(2, ge=0)
-    freq_width: int = Field(30, ge=0)
-    time_masks: int = Field(10, ge=0)
-    time_width: int = Field(50, ge=0)
-    time_ratio: float = Field(0.1, ge=0, le=1)
+    enabled: StrictBool = True
+    freq_masks: StrictInt = Field(2, ge=0)
+    freq_width: StrictInt = Field(30, ge=0)
+    time_masks: StrictInt = Field(10, ge=0)
+    time_width: StrictInt = Field(50, ge=0)
+    time_ratio: FiniteFloat = Field(0.1, ge=0, le=1)
 
 
 class LrDecay(Strict):
     """Constant lr, then exponential decay: lr·rate^((t − start)/transition) for t ≥ start."""
 
-    start: int = Field(0, ge=0)
-    rate: float = Field(1.0, gt=0, le=1)
-    transition: int = Field(1, ge=1)
+    start: StrictInt = Field(0, ge=0)
+    rate: FiniteFloat = Field(1.0, gt=0, le=1)
+    transition: StrictInt = Field(1, ge=1)
 
 
 class CentralRecipe(Strict):
     """Seed-model (central) training."""
 
     optimizer: Literal["lars", "adam", "adamw", "sgd"] = "lars"
-    lr: float = Field(0.5, gt=0)
-    steps: int = Field(1000, ge=0)
-    batch_seconds: float = Field(240.0, gt=0)
-    grad_clip: float = Field(1.0, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(0, ge=0)
-    step_decay_every: int = Field(50_000, ge=1, description="Multiply lr by step_decay_factor.")
-    step_decay_factor: float = Field(0.5, gt=0, le=1)
+    lr: FiniteFloat = Field(0.5, gt=0)
+    steps: StrictInt = Field(1000, ge=0)
+    batch_seconds: FiniteFloat = Field(240.0, gt=0)
+    grad_clip: FiniteFloat = Field(1.0, gt=0)
+    weight_decay: FiniteFloat = Field(0.0, ge=0)
+    warmup_steps: StrictInt = Field(0, ge=0)
+    step_decay_every: StrictInt = Field(
+        50_000, ge=1, description="Multiply lr by step_decay_factor."
+    )
+    step_decay_factor: FiniteFloat = Field(0.5, gt=0, le=1)
 
 
 class FederatedVariationalNoise(Strict):
     """Paper 004: Gaussian noise on the weights during local steps, std ramped over rounds."""
 
-    std: float = Field(0.0, ge=0)
-    ramp_steps: int = Field(0, ge=0)
+    std: FiniteFloat = Field(0.0, ge=0)
+    ramp_steps: StrictInt = Field(0, ge=0)
 
 
 class LayerFreeze(Strict):
@@ -134,7 +163,7 @@ class LayerFreeze(Strict):
     seed (public) training, and train only the top-scoring tensors holding at most
     `train_percent`% of the parameters (or the rest, with `train: bottom`)."""
 
-    train_percent: float = Field(gt=0, le=100)
+    train_percent: FiniteFloat = Field(gt=0, le=100)
     train: Literal["top", "bottom"] = "top"
 
 
@@ -148,7 +177,7 @@ class ExampleDPRecipe(Strict):
         description="Paper 003's gradient-based layer freezing: frozen tensors get no gradient,"
         " no clipping budget and no noise.",
     )
-    physical_batch: int = Field(
+    physical_batch: StrictInt = Field(
         32,
         ge=1,
         description="Examples per forward/backward pass: a Poisson batch is processed in chunks"
@@ -171,13 +200,15 @@ class ClientRecipe(Strict):
         json_schema_extra=ADDED_LATER,
     )
     optimizer: Literal["sgd"] = "sgd"
-    lr: float = Field(0.2, gt=0)
-    local_steps: int | None = Field(10, ge=1)
-    local_epochs: int | None = Field(None, ge=1)
-    batch_seconds: float = Field(120.0, gt=0)
-    grad_clip: float = Field(1.0, gt=0)
-    fedprox_mu: float = Field(0.0, ge=0)
-    max_utterances: int | None = Field(None, ge=1, description="Paper 004 per-round data limit.")
+    lr: FiniteFloat = Field(0.2, gt=0)
+    local_steps: StrictInt | None = Field(10, ge=1)
+    local_epochs: StrictInt | None = Field(None, ge=1)
+    batch_seconds: FiniteFloat = Field(120.0, gt=0)
+    grad_clip: FiniteFloat = Field(1.0, gt=0)
+    fedprox_mu: FiniteFloat = Field(0.0, ge=0)
+    max_utterances: StrictInt | None = Field(
+        None, ge=1, description="Paper 004 per-round data limit."
+    )
     variational_noise: FederatedVariationalNoise = FederatedVariationalNoise()
 
     @model_validator(mode="after")
@@ -192,17 +223,17 @@ class ServerRecipe(Strict):
         "lamb",
         description="A registered server optimizer (built in: lamb, adam, lars, adagrad, sgd).",
     )
-    lr: float = Field(0.002, gt=0)
-    beta1: float = Field(0.9, ge=0, lt=1)
-    beta2: float = Field(0.999, ge=0, lt=1)
-    eps: float = Field(
+    lr: FiniteFloat = Field(0.002, gt=0)
+    beta1: FiniteFloat = Field(0.9, ge=0, lt=1)
+    beta2: FiniteFloat = Field(0.999, ge=0, lt=1)
+    eps: FiniteFloat = Field(
         1e-6,
         gt=0,
         description="ξ of LAMB/Adam (paper App. H.3: 1e-6) and of LARS' trust ratio"
         " ‖θ‖/(‖u‖ + ξ) (the paper authors' code: 1e-6; optax.lars: 0).",
     )
-    weight_decay: float = Field(0.0, ge=0)
-    momentum: float = Field(0.0, ge=0, lt=1, description="SGD/LARS momentum.")
+    weight_decay: FiniteFloat = Field(0.0, ge=0)
+    momentum: FiniteFloat = Field(0.0, ge=0, lt=1, description="SGD/LARS momentum.")
     adagrad_rule: Literal["reference", "optax"] = Field(
         "reference",
         description="AdaGrad: 'reference' (the paper authors' code: accumulator from 0, update"
@@ -212,22 +243,26 @@ class ServerRecipe(Strict):
 
 
 class FederatedRecipe(Strict):
-    central_steps: int = Field(2000, ge=1)
-    cohort_size: int = Field(1024, ge=1)
+    central_steps: StrictInt = Field(2000, ge=1)
+    cohort_size: StrictInt = Field(1024, ge=1)
     sampling: Literal["poisson", "fixed"] = "poisson"
     client: ClientRecipe = ClientRecipe()
     server: ServerRecipe = ServerRecipe()
     layer_freeze: LayerFreeze | None = None
-    eval_every: int = Field(100, ge=1)
+    eval_every: StrictInt = Field(100, ge=1)
 
 
 class AdaptiveClip(Strict):
     """Andrew et al. 2021: the clip bound follows the target quantile of the users' update norms
     (privacy/adaptive.py); its bits take a share of the budget's σ_DP, none of its ε."""
 
-    target_quantile: float = Field(0.5, gt=0, lt=1, description="γ: fraction of users unclipped.")
-    lr: float = Field(0.2, gt=0, description="η: geometric step of the bound per central step.")
-    bit_noise: float = Field(
+    target_quantile: FiniteFloat = Field(
+        0.5, gt=0, lt=1, description="γ: fraction of users unclipped."
+    )
+    lr: FiniteFloat = Field(
+        0.2, gt=0, description="η: geometric step of the bound per central step."
+    )
+    bit_noise: FiniteFloat = Field(
         0.05, gt=0, description="Std of the noise on the unclipped fraction (theirs: 1/20)."
     )
 
@@ -244,12 +279,12 @@ class PrivacyRecipe(Strict):
         " 3), or 'normalize' (the authors' code): when ‖Δ‖ > C rescale every non-zero layer to"
         " exactly C_h (small layers are scaled up). Both keep ‖Δ‖ ≤ C.",
     )
-    clip_bound: float = Field(0.01, gt=0)
+    clip_bound: FiniteFloat = Field(0.01, gt=0)
     noise_placement: Literal["server", "client"] = Field(
         "server",
         description="'client' (each user adds N(0, C²σ²qK)) needs federated.sampling: fixed.",
     )
-    audit_canaries: int = Field(
+    audit_canaries: StrictInt = Field(
         0,
         ge=0,
         description="Canary users inserted for an empirical privacy audit (privacy/audit.py):"
@@ -322,7 +357,7 @@ class Recipe(Strict):
 
 class Task(Strict):
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9.\-]*$")
-    version: int = Field(ge=1)
+    version: StrictInt = Field(ge=1)
     language: Literal["en", "fr", "de"]
     description: str
     synthetic: SyntheticData | None = Field(
@@ -369,18 +404,20 @@ class Budget(Strict):
 
     name: str = Field(pattern=r"^[a-z0-9][a-z0-9.\-]*$")
     description: str = ""
-    dp: bool = True
+    dp: StrictBool = True
     unit: Literal["user", "example"] = Field(
         "user",
         description="What one DP neighbour adds or removes: a user's data (federated runs) or one"
         " example (DP-SGD runs). The two ε are not comparable.",
         json_schema_extra=ADDED_LATER,
     )
-    epsilon: float | None = Field(None, gt=0)
-    delta: float | None = Field(None, gt=0, lt=1)
-    population: int | None = Field(None, ge=1, description="Extrapolated number of users K_ext.")
-    cohort: int | None = Field(None, ge=1, description="Extrapolated cohort size S_ext.")
-    steps: int | None = Field(None, ge=1, description="Extrapolated central steps T_ext.")
+    epsilon: FiniteFloat | None = Field(None, gt=0)
+    delta: FiniteFloat | None = Field(None, gt=0, lt=1)
+    population: StrictInt | None = Field(
+        None, ge=1, description="Extrapolated number of users K_ext."
+    )
+    cohort: StrictInt | None = Field(None, ge=1, description="Extrapolated cohort size S_ext.")
+    steps: StrictInt | None = Field(None, ge=1, description="Extrapolated central steps T_ext.")
     accountant: str = Field(
         "rdp",
         description="A registered accountant that calibrates noise (built in: rdp, pld); for"
@@ -392,10 +429,10 @@ class Budget(Strict):
         " delta, q and T, and a cohort chosen so that sigma_dp*sqrt(d) equals the paper budget's"
         " at d = matched_parameters (docs/BUDGETS.md).",
     )
-    matched_parameters: int | None = Field(
+    matched_parameters: StrictInt | None = Field(
         None, ge=1, description="Trained parameters d of the model the match was made for."
     )
-    matched_cohort: int | None = Field(
+    matched_cohort: StrictInt | None = Field(
         None,
         ge=1,
         description="Also matched for a run with this cohort (the paper's runs: 1,024): the DP"
@@ -442,6 +479,6 @@ class RunConfig(Strict):
     task: Task
     baseline: Baseline
     budget: Budget
-    seed: int
+    seed: StrictInt
     recipe: Recipe
     overrides: dict[str, str] = Field(default_factory=dict, description="--set as given.")

@@ -49,7 +49,10 @@ _StrictLoader.add_constructor(
 
 
 def read_yaml(path: Path) -> tuple[Any, bytes]:
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:  # a folder named x.yaml, a dangling link, no permission
+        raise UserError(f"{path}: cannot read the spec file: {exc.strerror}") from None
     try:
         return yaml.load(data, Loader=_StrictLoader), data
     except yaml.YAMLError as exc:
@@ -167,8 +170,20 @@ def read_task_yaml(path: Path) -> tuple[Any, str]:
     return deep_merge(merged, data), digest.hexdigest()
 
 
+def _spec_files(folder: Path) -> list[Path]:
+    """The `*.yaml` files of a spec folder. Another spelling of the extension (`.yml`, `.YAML`) is
+    an error rather than skipped, so that no spec is silently left out."""
+    if not folder.is_dir():
+        return []
+    paths = sorted(folder.iterdir())
+    for path in paths:
+        if path.suffix.lower() in (".yaml", ".yml") and path.suffix != ".yaml":
+            raise UserError(f"{path}: spec files must end in .yaml (rename it to {path.stem}.yaml)")
+    return [path for path in paths if path.suffix == ".yaml"]
+
+
 def _load_dir(reg: Registry, tasks_dir: Path, baselines_dir: Path) -> None:
-    for path in sorted(tasks_dir.glob("*.yaml")) if tasks_dir.is_dir() else []:
+    for path in _spec_files(tasks_dir):
         if path.name == BUDGETS_FILE:
             data, raw = read_yaml(path)
             digest = hashlib.sha256(raw).hexdigest()
@@ -180,7 +195,7 @@ def _load_dir(reg: Registry, tasks_dir: Path, baselines_dir: Path) -> None:
             continue
         data, digest = read_task_yaml(path)
         _add(reg.tasks, Loaded(validate(Task, data, str(path)), path, digest), "task")
-    for path in sorted(baselines_dir.glob("*.yaml")) if baselines_dir.is_dir() else []:
+    for path in _spec_files(baselines_dir):
         data, raw = read_yaml(path)
         spec = validate(Baseline, data, str(path))
         check_overrides(spec.overrides, str(path))
