@@ -197,6 +197,11 @@ def test_bandmf_refuses_what_its_analysis_does_not_cover():
         check_mechanism_recipe(Recipe(privacy=bandmf(4), federated={"sampling": "fixed"}))
     with pytest.raises(UserError, match="needs at least b\\*S = 80 users .* got K = 50"):
         make_mechanism(bandmf(8), 50, cohort=10, sampling="poisson")
+    for bands in (True, "4"):  # a YAML true or a quoted number is not a band count
+        with pytest.raises(
+            UserError, match=f"bands: Input should be a valid integer .got {bands!r}"
+        ):
+            check_mechanism_recipe(Recipe(privacy=bandmf(bands)))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -35,7 +35,7 @@ from collections import deque
 
 import numpy as np
 import torch
-from pydantic import Field
+from pydantic import Field, StrictInt
 
 from pflbench.errors import UserError
 from pflbench.privacy.accounting import BandMF as BandMFDescription
@@ -50,7 +50,9 @@ from pflbench.spec.models import PrivacyRecipe, Recipe, Strict
 
 
 class BandMFOptions(Strict):
-    bands: int = Field(ge=1, description="b: the strategy matrix's bands, and the groups of users.")
+    bands: StrictInt = Field(
+        ge=1, description="b: the strategy matrix's bands, and the groups of users."
+    )
 
 
 def strategy_coefficients(bands: int) -> np.ndarray:
