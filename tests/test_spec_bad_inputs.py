@@ -230,3 +230,10 @@ def test_cli_exits_2_without_traceback(tmp_path, files, command, needle):
         assert out.returncode == 2, (args, out.stderr)
         assert needle in out.stderr and str(d) in out.stderr, out.stderr
         assert "Traceback" not in out.stderr
+
+
+def test_a_file_where_the_tasks_folder_belongs_is_an_error(tmp_path):
+    (tmp_path / "baselines").mkdir()
+    (tmp_path / "tasks").write_text("name: mytask\n")  # meant as a folder: no spec silently lost
+    with pytest.raises(UserError, match=r"tasks: expected a folder of \*.yaml specs, found a file"):
+        load_registry([tmp_path])

@@ -173,8 +173,10 @@ def read_task_yaml(path: Path) -> tuple[Any, str]:
 def _spec_files(folder: Path) -> list[Path]:
     """The `*.yaml` files of a spec folder. Another spelling of the extension (`.yml`, `.YAML`) is
     an error rather than skipped, so that no spec is silently left out."""
-    if not folder.is_dir():
+    if not folder.exists():
         return []
+    if not folder.is_dir():
+        raise UserError(f"{folder}: expected a folder of *.yaml specs, found a file")
     paths = sorted(folder.iterdir())
     for path in paths:
         if path.suffix.lower() in (".yaml", ".yml") and path.suffix != ".yaml":
