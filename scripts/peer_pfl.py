@@ -65,7 +65,7 @@ import pflbench.fl.aggregate
 import pflbench.fl.client
 import pflbench.fl.simulator
 import pflbench.privacy.steps
-from pflbench.central import seed_model, shipped_seed_dir, shipped_seed_path
+from pflbench.central import START_MODEL_SEED, seed_model, shipped_seed_dir, shipped_seed_path
 from pflbench.data.batching import collate
 from pflbench.data.features import spec_augment
 from pflbench.data.prepare import cache_dir_default
@@ -80,7 +80,7 @@ from pflbench.privacy.aggregate import ExactSum
 from pflbench.privacy.noise import server_noise_std
 from pflbench.privacy.run import check_run_privacy, run_sigma_dp
 from pflbench.privacy.steps import AddServerNoise, ClipGlobal, MeasureNorms, ZeroNonfinite
-from pflbench.runner import START_MODEL_SEED, prepare_data
+from pflbench.runner import prepare_data
 from pflbench.spec.registry import load_registry
 from pflbench.spec.resolve import resolve
 

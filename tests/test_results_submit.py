@@ -23,8 +23,9 @@ from pflbench.results.schema import (
     MAX_RECORD_BYTES,
     compute_record_id,
     load_record,
+    parse_record,
 )
-from pflbench.results.submit import current_config, record_path, submit
+from pflbench.results.submit import current_config, record_path, submit, validate_record
 from pflbench.rundir import HYPOTHESES_DIR, hypotheses_content, write_hypotheses
 from pflbench.spec.models import RunConfig
 from pflbench.spec.names import safe_name
@@ -32,6 +33,7 @@ from pflbench.spec.registry import load_registry
 from pflbench.spec.resolve import config_json_hash, resolve
 
 SPECS = Path(__file__).parent / "fixtures" / "results" / "specs"
+REPO_RESULTS = Path(__file__).parents[1] / "results"
 SIGMA_DP = 0.01  # z = 1 at the fx-dp budget's cohort of 100: ε(rdp) ≈ 1.42 ≤ 1.5
 POPULATION = 100  # users of the (pretend) simulated corpus
 HYPOTHESES: dict[int, dict] = {}  # seed -> {eval set: {"utterances": [...]}}, by make_record
@@ -583,3 +585,16 @@ def test_a_config_from_before_client_algorithms_were_named_is_read_as_it_ran(cli
     current = current_config(stored)["recipe"]["federated"]["client"]
     assert current.get("algorithm") == algorithm
     assert "algorithm" not in stored["recipe"]["federated"]["client"] or client.get("algorithm")
+
+
+def test_a_run_of_a_task_with_a_shipped_seed_model_names_that_model():
+    """A filed run of the embedded task (results/), its seed-model digest replaced and its id
+    recomputed: every run of the task starts from the shipped seed model, so it is refused."""
+    path = REPO_RESULTS / "synth-cv-en-ls-seed" / "eps7.2-synth-cohort-matched"
+    raw = json.loads((path / "9c0c288e94e0c126.json").read_text())
+    builtin = load_registry()
+    validate_record(*load_record(path / "9c0c288e94e0c126.json"), builtin, "filed")
+    raw["data"]["digests"]["seed_model"] = "0" * 64
+    record = finalize_id_only(raw)
+    with pytest.raises(UserError, match="seed_model is '0{64}', but every run of this task"):
+        validate_record(parse_record(record, "edited"), record, builtin, "edited")

@@ -39,6 +39,7 @@ from pflbench.checkpoint import (
 from pflbench.data.batching import collate, dynamic_batches
 from pflbench.data.features import spec_augment as apply_spec_augment
 from pflbench.data.store import Utterance, torch_threads
+from pflbench.data.text import tokenizer_for
 from pflbench.digests import state_digest, tensors_digest
 from pflbench.errors import UserError
 from pflbench.files import atomic_write, atomic_write_text, exclusive
@@ -292,6 +293,10 @@ SEED_TRAINING_THREADS = 1
 # differently: pflbench.numerics), so runs start from the shipped model where there is one, and
 # `pflbench seed` trains this machine's own and says whether it matches.
 SHIPPED_SEEDS = "seed-models"
+# The starting model (seed model, or fresh init without seed data) belongs to the task: every run
+# starts from the one trained with this seed, as every FL run of the paper starts from one seed
+# model; run seeds vary the federated (or fine-tuning) randomness only.
+START_MODEL_SEED = 0
 
 
 def seed_spec(task: Task, recipe: Recipe, seed: int, vocab: list[str]) -> dict:
@@ -334,6 +339,19 @@ def shipped_seed_path(
     """Where the seed model of this spec is (or would be) shipped in `shipped_dir`."""
     spec = hashlib.sha256(canonical_json(seed_spec(task, recipe, seed, vocab)).encode())
     return shipped_dir / f"{task.name}-v{task.version}-{spec.hexdigest()[:16]}.safetensors"
+
+
+def shipped_seed_digest(task: Task, recipe: Recipe) -> str | None:
+    """The tensors digest (its sidecar's) of the seed model shipped for this task and recipe, which
+    every run of them starts from; None when none is shipped."""
+    if task.seed_data is None:
+        return None
+    vocab = tokenizer_for(task.language).vocab
+    shipped = shipped_seed_path(task, recipe, START_MODEL_SEED, vocab, shipped_seed_dir())
+    sidecar = meta_path(shipped)
+    if not sidecar.is_file():
+        return None
+    return json.loads(sidecar.read_text()).get("tensors_digest")
 
 
 def fresh_model(recipe: Recipe, vocab_size: int, seed: int) -> CTCTransformer:

@@ -53,10 +53,6 @@ from pflbench.spec.models import RunConfig
 from pflbench.spec.resolve import config_hash
 
 CHECKPOINT_EVERY = 10  # central steps between resumable checkpoints (and always at eval steps)
-# The starting model (seed model, or fresh init without seed data) belongs to the task: every run
-# starts from the one trained with this seed, as every FL run of the paper starts from one seed
-# model; run seeds vary the federated (or fine-tuning) randomness only.
-START_MODEL_SEED = 0
 
 
 @dataclass(frozen=True)
@@ -163,7 +159,7 @@ def prepare_data(config: RunConfig, data_root: Path | None, progress: bool):
 
 def _prepare(config: RunConfig, ctx: DistContext, device: str, options: RunOptions):
     """Data and seed model; rank 0 builds the caches first, the other ranks then read them."""
-    from pflbench.central import seed_model, shipped_seed_dir
+    from pflbench.central import START_MODEL_SEED, seed_model, shipped_seed_dir
     from pflbench.data.prepare import cache_dir_default
 
     data = model = seed_path = None

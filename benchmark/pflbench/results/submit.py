@@ -193,6 +193,21 @@ def check_compute_steps(record: ResultRecord, config: RunConfig, where: str) -> 
         )
 
 
+def check_seed_model(record: ResultRecord, config: RunConfig, where: str) -> None:
+    """A run of a task and recipe whose seed model ships with pflbench started from it (the runner
+    takes the shipped one wherever there is one): `data.digests['seed_model']` (which `pflbench
+    compare` relies on to pair rows) is its digest."""
+    from pflbench.central import shipped_seed_digest
+
+    expected = shipped_seed_digest(config.task, config.recipe)
+    stated = record.data.digests.get("seed_model")
+    if expected is not None and stated != expected:
+        raise UserError(
+            f"{where}: data.digests.seed_model is {stated!r}, but every run of this task and "
+            f"recipe starts from the seed model shipped with it, {expected}"
+        )
+
+
 def check_task_version(
     record: ResultRecord, registry: Registry, where: str, stale_ok: bool
 ) -> bool:
@@ -516,6 +531,7 @@ def validate_record(
     budget = check_budget(config, registry, where)
     if not stale:
         check_config_resolves(config, registry, where)
+        check_seed_model(record, config, where)
     check_record_privacy(raw.get("privacy"), config, budget, where)
     check_privacy_statement(raw.get("privacy"), config, where)
     check_audit_claim(raw.get("privacy"), config.recipe.privacy.audit_canaries, where)
