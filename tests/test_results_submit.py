@@ -518,9 +518,10 @@ def test_a_run_record_without_a_privacy_statement_is_refused(tmp_path, registry,
     [
         ("central_steps", 4000, "compute.central_steps is 4000, but the config"),
         ("cohort_per_step", [8] * 3, "cohort_per_step has 3 entries, one per central step is 20"),
+        ("gpu_hours", 2.5, "compute.gpu_hours is 2.5, but its device 'cpu'"),
     ],
 )
-def test_the_central_steps_a_record_counts_are_its_configs(
+def test_the_compute_a_record_shows_follows_from_the_record(
     tmp_path, registry, dp_record, field, value, message
 ):
     record = copy.deepcopy(dp_record)

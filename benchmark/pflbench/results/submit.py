@@ -175,9 +175,10 @@ def check_run_dir_config(run_dir: Path, record: ResultRecord) -> None:
         )
 
 
-def check_compute_steps(record: ResultRecord, config: RunConfig, where: str) -> None:
-    """The central steps the record counts (the leaderboard shows them) are its config's, one
-    cohort size per step; runs without federated training take none."""
+def check_compute(record: ResultRecord, config: RunConfig, where: str) -> None:
+    """What the leaderboard shows of a run's compute follows from the record: its central steps
+    are the config's (one cohort size per step; none without federated training), and its
+    GPU-hours are its wall time × processes on a GPU (0 on a CPU)."""
     recipe = config.recipe
     expected = recipe.federated.central_steps if recipe.training == "federated" else 0
     compute = record.compute
@@ -190,6 +191,14 @@ def check_compute_steps(record: ResultRecord, config: RunConfig, where: str) -> 
         raise UserError(
             f"{where}: compute.cohort_per_step has {len(compute.cohort_per_step)} entries, one "
             f"per central step is {expected}"
+        )
+    gpu_hours = 0.0
+    if compute.device == "cuda":
+        gpu_hours = (compute.wall_seconds or 0.0) * (compute.num_processes or 1) / 3600
+    if compute.gpu_hours is None or not _close(compute.gpu_hours, gpu_hours, EXACT_RTOL):
+        raise UserError(
+            f"{where}: compute.gpu_hours is {compute.gpu_hours!r}, but its device "
+            f"{compute.device!r}, wall_seconds and num_processes give {gpu_hours!r}"
         )
 
 
@@ -535,7 +544,7 @@ def validate_record(
     check_record_privacy(raw.get("privacy"), config, budget, where)
     check_privacy_statement(raw.get("privacy"), config, where)
     check_audit_claim(raw.get("privacy"), config.recipe.privacy.audit_canaries, where)
-    check_compute_steps(record, config, where)
+    check_compute(record, config, where)
     return stale
 
 
