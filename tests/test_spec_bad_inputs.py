@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
+from test_spec import TASK, _spec_dir
 from typer.testing import CliRunner
 
 from pflbench.cli import app
@@ -16,14 +16,6 @@ from pflbench.errors import UserError
 from pflbench.spec.registry import load_registry
 from pflbench.spec.resolve import resolve
 
-TASK = """\
-name: my-task
-version: 1
-language: en
-description: mine
-federated_data: {corpus: commonvoice, subsets: [train], locale: en}
-eval_sets: [{name: d, corpus: commonvoice, subset: dev, locale: en, role: dev}]
-"""
 BASELINE = """\
 name: my-baseline
 description: x
@@ -37,14 +29,6 @@ BUDGET = {
     "cohort": "10",
     "steps": "5",
 }
-
-
-def _spec_dir(root: Path, files: dict[str, str]) -> Path:
-    for rel, text in files.items():
-        path = root / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(textwrap.dedent(text))
-    return root
 
 
 def _baseline(overrides: str) -> dict[str, str]:
