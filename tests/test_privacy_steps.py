@@ -67,6 +67,34 @@ def test_zero_nonfinite_zeroes_a_broken_update_and_says_so():
     assert same(finite, kept)
 
 
+def test_without_clipping_fp32_norms_bound_every_element_and_nan_is_still_told_apart():
+    """ZeroNonfinite(exact=False) (no clipping follows): fp32 norms within their error bound of
+    the fp64 ones, and MeasureNorms' `largest` from them bounds every element, also for a layer
+    that is one large element among many small ones; a NaN still zeroes the update, while finite
+    elements whose fp32 squares overflow do not (the fp64 norms decide)."""
+    fast = ZeroNonfinite(exact=False)
+    for seed in range(20):
+        update = random_update(scale=10.0 ** (seed % 7 - 3), seed=seed)
+        update["enc.w"][seed % 64, seed % 48] = 1e3 * (seed + 1)  # one spike in a big layer
+        exact = layer_norms(list(update.values()))
+        seen = fast.apply(update, "u", STEP, {})
+        assert seen["nonfinite"] is False
+        error = (seen["norms"] - exact).abs() / exact
+        assert bool((error <= seen["norm_error"]).all()) and float(error.max()) < 1e-5
+        largest = max(float(t.abs().max()) for t in update.values())
+        bound = MeasureNorms().apply(update, "u", STEP, seen)["largest"]
+        assert largest <= bound <= 1.01 * float(exact.max())
+    broken = random_update()
+    broken["out.w"][0, 0] = float("nan")
+    assert fast.apply(broken, "u", STEP, {})["nonfinite"] is True
+    assert all(not t.any() for t in broken.values())
+    huge = random_update(scale=1e25)  # fp32 squares overflow, fp64 ones do not
+    kept = copy(huge)
+    seen = fast.apply(huge, "u", STEP, {})
+    assert seen["nonfinite"] is False and "norm_error" not in seen
+    assert torch.equal(seen["norms"], layer_norms(list(kept.values()))) and same(huge, kept)
+
+
 def test_the_clips_reuse_measured_norms_and_bound_every_element_after_them():
     """One measurement (ZeroNonfinite's) serves the clip; the clipped update equals one clipped
     from scratch; `largest` bounds every element, so the exact sum may skip its range pass."""
@@ -203,7 +231,7 @@ def test_the_factory_orders_the_steps_each_recipe_asks_for():
     client_std = C * SIGMA * math.sqrt(S)
     clip_global = [ZeroNonfinite(), ClipGlobal(C)]
     cases = [
-        ({"clipping": "none"}, 0.0, [ZeroNonfinite(), MeasureNorms()], [], None, 0.0),
+        ({"clipping": "none"}, 0.0, [ZeroNonfinite(exact=False), MeasureNorms()], [], None, 0.0),
         ({"clipping": "global"}, 0.0, clip_global, [], C, 0.0),
         (
             {"clipping": "global"},
@@ -262,7 +290,7 @@ def test_the_factory_builds_every_mechanism_the_recipe_allows_and_refuses_nothin
             continue
         mechanism = privacy_steps(privacy, sigma_dp, C, S, SEED, "cpu")
         first, second, *rest = mechanism.per_user
-        assert first == ZeroNonfinite()
+        assert first == ZeroNonfinite(exact=clipping != "none")  # clipping needs exact norms
         clip = {"none": MeasureNorms, "global": ClipGlobal, "perlayer": ClipPerLayer}[clipping]
         assert isinstance(second, clip)
         noisy = sigma_dp > 0
@@ -274,7 +302,8 @@ def test_the_factory_builds_every_mechanism_the_recipe_allows_and_refuses_nothin
         update = random_update()
         for step in mechanism.per_user:
             facts |= step.apply(update, "u", STEP, facts)
-        assert set(facts) == {"nonfinite", "norms", "clipped", "largest"}
+        fp32_norms = {"norm_error"} if clipping == "none" else set()
+        assert set(facts) == {"nonfinite", "norms", "clipped", "largest"} | fp32_norms
         assert (facts["largest"] is None) == (noisy and placement == "client")
         built += 1
     # Per σ: 3 clippings × 2 modes × 2 rules × 2 placements, and with adaptive clipping

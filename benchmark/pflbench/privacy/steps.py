@@ -6,15 +6,19 @@ Per-user steps change a user's update (name -> tensor) in place, before it goes 
 and return what they saw, for the step's stats (never released) and for the next steps:
 
     ZeroNonfinite     a NaN/Inf update becomes zeros            {"nonfinite", "norms"}
+                      (exact=False, before no clipping: fp32 norms, "norm_error")
     ClipGlobal        ‖Δ‖ ≤ C                                   {"norms", "clipped", "largest"}
     ClipPerLayer      ‖Δ_h‖ ≤ C_h with Σ C_h² = C²              {"norms", "clipped", "largest"}
     MeasureNorms      no clipping: only the norms               {"norms", "clipped", "largest"}
     AddClientNoise    + N(0, C²σ²S), from the user's own stream {"largest": None}
 
 One pass over the update measures it: ZeroNonfinite's fp64 layer norms are NaN/Inf exactly where
-the update holds a NaN/Inf, and the clipping reuses them. "largest" bounds every element after the
-step (an element is at most its layer's L2 norm), so the exact sum skips its own range pass when
-the bound already proves the range (None: unknown, the sum checks).
+the update holds a NaN/Inf, and the clipping reuses them. Without clipping nothing needs exact
+norms (they feed statistics and the range bound only): ZeroNonfinite(exact=False) measures them
+in fp32, six times cheaper, and falls back to fp64 only to tell a NaN/Inf from an fp32 overflow.
+"largest" bounds every element after the step (an element is at most its layer's L2 norm), so
+the exact sum skips its own range pass when the bound already proves the range (None: unknown,
+the sum checks).
 
 Aggregate steps change the averaged update once: AddServerNoise adds N(0, (C·σ)²). Adaptive
 clipping also releases the fraction of users within the bound (ReleaseUnclippedFraction), a
@@ -32,7 +36,13 @@ import torch
 from torch import Tensor
 
 from pflbench.privacy.adaptive import noisy_unclipped_fraction, update_noise
-from pflbench.privacy.clipping import ClipResult, clip_update, layer_norms, zero_if_nonfinite
+from pflbench.privacy.clipping import (
+    ClipResult,
+    clip_update,
+    fast_layer_norms,
+    layer_norms,
+    zero_if_nonfinite,
+)
 from pflbench.privacy.noise import (
     add_gaussian_noise,
     client_noise_std,
@@ -65,10 +75,17 @@ class AggregateStep(Protocol):
 
 @dataclass(frozen=True)
 class ZeroNonfinite:
-    """Zero an update holding a NaN/Inf: zeros are inside every bound, so DP holds."""
+    """Zero an update holding a NaN/Inf: zeros are inside every bound, so DP holds. `exact`:
+    measure fp64 norms (what clipping needs); else fp32 ones with their error bound."""
+
+    exact: bool = True
 
     def apply(self, update: dict[str, Tensor], user: str, step: int, seen: dict) -> dict:
-        norms = layer_norms(list(update.values()))
+        tensors = list(update.values())
+        fast = None if self.exact else fast_layer_norms(tensors)
+        if fast is not None and bool(torch.isfinite(fast[0]).all()):
+            return {"nonfinite": False, "norms": fast[0], "norm_error": fast[1]}
+        norms = layer_norms(tensors)  # exact: NaN/Inf only where the update holds one
         if zero_if_nonfinite(update, norms):
             return {"nonfinite": True, "norms": torch.zeros_like(norms)}
         return {"nonfinite": False, "norms": norms}
@@ -113,7 +130,9 @@ class MeasureNorms:
 
     def apply(self, update: dict[str, Tensor], user: str, step: int, seen: dict) -> dict:
         norms = seen["norms"] if "norms" in seen else layer_norms(list(update.values()))
-        return {"norms": norms, "clipped": False, "largest": _largest(norms)}
+        error = seen.get("norm_error")  # fp32 norms (ZeroNonfinite(exact=False)): their bound
+        largest = _largest(norms) if error is None else float((norms / (1 - error)).max())
+        return {"norms": norms, "clipped": False, "largest": largest}
 
 
 @dataclass(frozen=True)
@@ -206,7 +225,8 @@ def privacy_steps(
     device: str,
 ) -> PrivacySteps:
     """The Gaussian mechanism's steps at clip bound `clip_bound` (C_t under adaptive clipping)."""
-    per_user: list[UserStep] = [ZeroNonfinite()]  # first: a NaN/Inf update has no norm
+    # First: a NaN/Inf update has no norm. Only clipping needs the exact fp64 norms.
+    per_user: list[UserStep] = [ZeroNonfinite(exact=privacy.clipping != "none")]
     bound = clip_bound  # bounds every element of a clipped update
     if privacy.clipping == "global":
         per_user.append(ClipGlobal(clip_bound))
