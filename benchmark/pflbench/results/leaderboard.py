@@ -47,8 +47,9 @@ HEADER = (
     f"(numerics v*N*; what changed in v{NUMERICS_VERSION}: {NUMERICS_CHANGES[NUMERICS_VERSION]}). "
     "Checked: *re-scored* = every WER/CER figure was computed again from the run's stored "
     "hypotheses and the eval sets' own references (by `pflbench submit`, and by CI for every "
-    "filed record); *re-evaluated* = re-scored, and `pflbench verify` evaluated the final "
-    "checkpoint the record names again and got the record's numbers.\n"
+    "filed record); *re-evaluated* = re-scored, and a `pflbench verify` stamp filed with the "
+    "record says the final checkpoint it names was evaluated again and gave the record's numbers "
+    "(the submitter files the stamp; anyone holding the checkpoint can repeat it).\n"
 )
 
 
@@ -66,8 +67,9 @@ def load_result_files(root: Path) -> list[tuple[Path, ResultRecord, dict]]:
     """(path, record, raw JSON) of every record under results/: <task>/<budget>/<id>.json and
     paper/<name>.json, each validated and checked to be filed where it belongs, and no config
     (seed included) filed twice: `submit` refuses a second run of one config, and a copy would
-    count as a seed of its own. (Two configs may share a final model: seed-only runs of any seed,
-    per-layer clip and normalize where every layer is clipped.)"""
+    count as a seed of its own; nor two seeds of one row with one final model (a copy with its
+    seed changed). Rows may share a model: per-layer clip and normalize where every layer is
+    clipped, and a seed-only row's seeds, which all keep the one seed model."""
     root = Path(root)
     if not root.is_dir():
         raise UserError(f"{root}: no results folder")
@@ -82,11 +84,23 @@ def load_result_files(root: Path) -> list[tuple[Path, ResultRecord, dict]]:
         check_filed_where_it_belongs(record, rel, path)
         found.append((path, record, raw))
     runs: dict[str, Path] = {}
+    models: dict[tuple, Path] = {}
     for path, record, _ in found:
-        if record.kind == "run" and runs.setdefault(record.config_hash, path) != path:
+        if record.kind != "run":
+            continue
+        if runs.setdefault(record.config_hash, path) != path:
             raise UserError(
                 f"{path}: the same config (seed included) as {runs[record.config_hash]}; a run is "
                 "filed once: remove one of them"
+            )
+        # Seeds of one row train different models, except where the seed changes nothing.
+        if _recipe(record).get("training") == "seed-only":
+            continue
+        key = (group_key(record), record.outputs.final_model)
+        if models.setdefault(key, path) != path:
+            raise UserError(
+                f"{path}: the same final model as {models[key]}, another seed of the same row: "
+                "a copy would count as a seed of its own"
             )
     return found
 

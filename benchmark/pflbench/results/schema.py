@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -384,11 +384,17 @@ class ResultRecord(Strict):
     @model_validator(mode="after")
     def _kind_fields(self) -> ResultRecord:
         try:
-            datetime.fromisoformat(self.created)
+            created = datetime.fromisoformat(self.created)
         except ValueError:
             raise ValueError(f"created {self.created!r} is not an ISO-8601 time") from None
+        if created.replace(tzinfo=created.tzinfo or UTC) > datetime.now(UTC) + timedelta(days=1):
+            raise ValueError(f"created {self.created!r} is in the future")
         if self.kind == "reference" and self.provenance is None:
             raise ValueError("a reference record needs provenance (paper, table, row)")
+        if self.kind == "run" and self.provenance is not None:
+            raise ValueError(
+                "a run record has no provenance (a paper citation is a reference row's)"
+            )
         if self.kind == "run":
             needed = ("seed", "config_hash", "config", "software", "data", "diagnostics")
             missing = [name for name in needed if getattr(self, name) is None]

@@ -30,7 +30,7 @@ from pflbench.results.schema import (
 from pflbench.spec.models import Budget, PrivacyRecipe, RunConfig
 from pflbench.spec.names import safe_name
 from pflbench.spec.registry import Registry, format_validation_error
-from pflbench.spec.resolve import config_json_hash, resolve
+from pflbench.spec.resolve import canonical_json, config_json_hash, resolve
 
 if TYPE_CHECKING:
     from pflbench.privacy.accounting import MechanismDescription
@@ -38,6 +38,7 @@ if TYPE_CHECKING:
 
 EPSILON_RTOL = 1e-3  # recomputed ε vs claimed ε; accountants are deterministic, this is float slack
 EXACT_RTOL = 1e-9  # z = σ_DP·S and q = S/K are products of the claim's own numbers
+SIGMA_RTOL = 1e-6  # σ_DP vs the budget's calibration (deterministic; slack for the libraries)
 
 
 @dataclass(frozen=True)
@@ -317,6 +318,28 @@ def check_record_privacy(
         if scale == "extrapolated":
             fresh_ext = fresh[claimed]
     _check_within_budget(fresh_ext, budget, where, "extrapolated", claimed, "extrapolated scale")
+    prescribed = prescribed_sigma_dp(config)
+    if not _close(float(sigma_dp), prescribed, SIGMA_RTOL):
+        # More noise than the run added would pass every ε check above on its own.
+        raise UserError(
+            f"{where}: privacy.sigma_dp is {sigma_dp!r}, but budget {budget.name!r} prescribes "
+            f"{prescribed!r} for this mechanism (what every run of it adds)"
+        )
+
+
+_PRESCRIBED: dict[str, float] = {}  # calibrations, by budget and mechanism (one per process)
+
+
+def prescribed_sigma_dp(config: RunConfig) -> float:
+    """σ_DP the run's budget prescribes to its mechanism (privacy.run.run_sigma_dp, what the
+    runner adds), calibrated once per budget and mechanism."""
+    from pflbench.privacy.run import run_sigma_dp
+
+    key = canonical_json([config.budget.model_dump(mode="json"),
+                          config.recipe.privacy.model_dump(mode="json")])  # fmt: skip
+    if key not in _PRESCRIBED:
+        _PRESCRIBED[key] = run_sigma_dp(config)
+    return _PRESCRIBED[key]
 
 
 def check_privacy_statement(privacy: dict | None, config: RunConfig, where: str) -> None:
@@ -538,7 +561,9 @@ def validate_record(
     config = check_config(record, raw, where)
     stale = check_task_version(record, registry, where, stale_ok)
     budget = check_budget(config, registry, where)
-    if not stale:
+    # A record of the current task version resolves today whatever its numerics version (stale
+    # numerics change a run's last bits, not its recipe).
+    if registry.task(record.task.name).spec.version == record.task.version:
         check_config_resolves(config, registry, where)
         check_seed_model(record, config, where)
     check_record_privacy(raw.get("privacy"), config, budget, where)
