@@ -93,6 +93,8 @@ class ExactSum:
     def _flush(self) -> None:
         """Move the fp64 partial sum into the int64 sum (integral values: the conversion is
         exact)."""
+        if self._partial_terms == 0:  # result() after buffers(): nothing to move
+            return
         self._sum.add_(self._partial.to(torch.int64))
         self._partial.zero_()
         self._partial_terms = 0

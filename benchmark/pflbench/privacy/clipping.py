@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cache
 from typing import Literal
 
 import torch
@@ -91,12 +92,19 @@ def fast_layer_norms(tensors: Sequence[Tensor]) -> tuple[Tensor, Tensor] | None:
     exact norm (statistics, a range bound); None where a tensor is not fp32 or so large that the
     bound would not be small. Inf/NaN where a tensor holds one, and also where the fp32 squares
     overflow: `layer_norms` tells these apart."""
-    numels = [t.numel() for t in tensors]
+    numels = tuple(t.numel() for t in tensors)
     if not tensors or any(t.dtype != torch.float32 for t in tensors) or max(numels) > 2**21:
         return None
     norms = torch.stack(torch._foreach_norm(list(tensors), 2)).double()
-    error = torch.tensor([2 * (n + 16) * 2.0**-24 for n in numels], dtype=torch.float64)
-    return norms, error.to(norms.device)
+    return norms, _fp32_norm_errors(numels, norms.device)
+
+
+@cache
+def _fp32_norm_errors(numels: tuple[int, ...], device: torch.device) -> Tensor:
+    # The same shapes every client: made once, not per update (read only).
+    return torch.tensor(
+        [2 * (n + 16) * 2.0**-24 for n in numels], dtype=torch.float64, device=device
+    )
 
 
 def example_norms(grad_samples: Sequence[Tensor]) -> Tensor:

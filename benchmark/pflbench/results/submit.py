@@ -30,7 +30,7 @@ from pflbench.results.schema import (
 from pflbench.spec.models import Budget, PrivacyRecipe, RunConfig
 from pflbench.spec.names import safe_name
 from pflbench.spec.registry import Registry, format_validation_error
-from pflbench.spec.resolve import canonical_json, config_json_hash, resolve
+from pflbench.spec.resolve import config_json_hash, resolve
 
 if TYPE_CHECKING:
     from pflbench.privacy.accounting import MechanismDescription
@@ -77,8 +77,8 @@ RETIRED_RECIPE_KEYS = (("privacy", "accountant"), ("federated", "layer_freeze", 
 def _algorithm_run_before_it_was_named(client: dict) -> str | None:
     """The client algorithm a config from before `federated.client.algorithm` existed ran: the
     code then applied FedProx, variational noise and the data limit wherever their fields were
-    set (fl/algorithms took them over bitwise); None where more than one is set (no single
-    algorithm today)."""
+    set (fl/algorithms took them over bitwise); None for plain FedAvg (the default) and where more
+    than one is set (no single algorithm today)."""
     noise = client.get("variational_noise") or {}
     active = [
         name
@@ -89,7 +89,7 @@ def _algorithm_run_before_it_was_named(client: dict) -> str | None:
         )
         if on
     ]
-    return "fedavg" if not active else active[0] if len(active) == 1 else None
+    return active[0] if len(active) == 1 else None
 
 
 def current_config(stored: dict) -> dict:
@@ -107,7 +107,7 @@ def current_config(stored: dict) -> dict:
         client = ((recipe or {}).get("federated") or {}).get("client")
         if isinstance(client, dict) and "algorithm" not in client:
             algorithm = _algorithm_run_before_it_was_named(client)
-            if algorithm not in (None, "fedavg"):  # fedavg is the default: left out of dumps
+            if algorithm is not None:
                 client["algorithm"] = algorithm
     return config
 
@@ -143,8 +143,8 @@ def check_config(record: ResultRecord, raw: dict, where: str) -> RunConfig:
 def check_config_resolves(config: RunConfig, registry: Registry, where: str) -> None:
     """The stored config is what the registry resolves for its task, baseline, budget, seed and
     --set overrides: a config edited in place, its hash recomputed, would credit a baseline with
-    a run of another recipe. Checked on current records only (an older task version no longer
-    resolves)."""
+    a run of another recipe. Checked on records of the current task version (an older one no
+    longer resolves)."""
     from pflbench.results.rescore import first_difference
 
     sets = [f"{key}={value}" for key, value in config.overrides.items()]
@@ -258,8 +258,10 @@ def check_record_privacy(
     privacy: dict | None, config: RunConfig, budget: Budget, where: str
 ) -> None:
     """Recompute every ε claim with the pinned accountants, for the mechanism the config names,
-    and hold the budget's accountant's against the budget."""
+    hold the budget's accountant's against the budget, and require the σ_DP the budget
+    prescribes."""
     from pflbench.privacy.mechanisms import mechanism_class
+    from pflbench.privacy.run import run_sigma_dp
     from pflbench.privacy.statement import check_steps_within_budget
 
     if not budget.dp:
@@ -318,28 +320,13 @@ def check_record_privacy(
         if scale == "extrapolated":
             fresh_ext = fresh[claimed]
     _check_within_budget(fresh_ext, budget, where, "extrapolated", claimed, "extrapolated scale")
-    prescribed = prescribed_sigma_dp(config)
+    prescribed = run_sigma_dp(config)  # the accountants cache the calibration's ε values
     if not _close(float(sigma_dp), prescribed, SIGMA_RTOL):
         # More noise than the run added would pass every ε check above on its own.
         raise UserError(
             f"{where}: privacy.sigma_dp is {sigma_dp!r}, but budget {budget.name!r} prescribes "
             f"{prescribed!r} for this mechanism (what every run of it adds)"
         )
-
-
-_PRESCRIBED: dict[str, float] = {}  # calibrations, by budget and mechanism (one per process)
-
-
-def prescribed_sigma_dp(config: RunConfig) -> float:
-    """σ_DP the run's budget prescribes to its mechanism (privacy.run.run_sigma_dp, what the
-    runner adds), calibrated once per budget and mechanism."""
-    from pflbench.privacy.run import run_sigma_dp
-
-    key = canonical_json([config.budget.model_dump(mode="json"),
-                          config.recipe.privacy.model_dump(mode="json")])  # fmt: skip
-    if key not in _PRESCRIBED:
-        _PRESCRIBED[key] = run_sigma_dp(config)
-    return _PRESCRIBED[key]
 
 
 def check_privacy_statement(privacy: dict | None, config: RunConfig, where: str) -> None:
