@@ -408,6 +408,108 @@ def register(app: typer.Typer) -> None:
             highlight=False,
         )
 
+    @group.command("reproduce")
+    def reproduce(
+        record_ids: list[str] = typer.Argument(
+            None, help="Filed records' ids (the file names under results/); or give --sample."
+        ),
+        sample: int = typer.Option(
+            0, "--sample", min=0, help="Re-run this many filed records, picked by --sample-key."
+        ),
+        sample_key: str = typer.Option(
+            "", "--sample-key", help="Picks the sample (CI: the commit): same key, same records."
+        ),
+        max_wall_seconds: float = typer.Option(
+            None, "--max-wall-seconds", help="Sample among records whose run took at most this."
+        ),
+        jobs: int = typer.Option(1, "--jobs", min=1, help="Re-runs at once."),
+        out: Path = typer.Option(
+            Path("runs/reproduce"), "--out", help="Where the re-runs go, one folder per record."
+        ),
+        results: Path = ResultsOption,
+        data_root: Path = DataRootOption,
+        specs: list[Path] = SpecsOption,
+        plugin: list[str] = PluginOption,
+    ) -> None:
+        """Run filed records again from their configs and compare (CI re-runs a sample): on the
+        run's own setup (torch build, CPU kernels, threads) the final model, hypotheses, metrics,
+        privacy statement and cohorts must be the record's bit for bit; on another setup the
+        data, statement and cohorts exactly and each pooled WER within 3 points."""
+        import torch
+
+        from pflbench.results.leaderboard import load_result_files
+        from pflbench.results.reproduce import (
+            compare_rerun,
+            load_rerun,
+            rerun_plan,
+            sample_records,
+            why_not_rerunnable,
+        )
+        from pflbench.results.sweep import run_planned
+
+        if bool(record_ids) == bool(sample):
+            raise UserError("give record ids or --sample N, not both and not neither")
+        filed = {path.stem: (path, record) for path, record, _ in load_result_files(results)}
+        if record_ids:
+            unknown = [rid for rid in record_ids if rid not in filed]
+            if unknown:
+                raise UserError(f"{', '.join(unknown)}: no record with this id in {results}")
+            chosen = [filed[rid] for rid in record_ids]
+        else:
+            cuda = torch.cuda.is_available()
+            candidates = [
+                item for item in filed.values() if why_not_rerunnable(item[1], cuda) is None
+            ]
+            chosen = sample_records(candidates, sample, sample_key, max_wall_seconds)
+            if not chosen:
+                raise UserError(f"no record in {results} to re-run within --max-wall-seconds")
+        passthrough = [arg for path in specs or [] for arg in ("--specs", str(path))]
+        passthrough += [arg for name in plugin or [] for arg in ("--plugin", name)]
+        if data_root is not None:
+            passthrough += ["--data-root", str(data_root)]
+        plans = []
+        for path, record in chosen:
+            why = why_not_rerunnable(record, torch.cuda.is_available())
+            if why is not None:
+                raise UserError(f"{path}: cannot be re-run here: {why}")
+            plan = rerun_plan(record, path, out, tuple(passthrough))
+            if plan.run_dir.exists():
+                raise UserError(f"{plan.run_dir}: exists (an earlier re-run?); remove it first")
+            plans.append((path, record, plan))
+        console.print(f"re-running {len(plans)} records, {jobs} at a time, into {out}")
+        by_dir = {plan.run_dir: (path, record) for path, record, plan in plans}
+        failures = []
+
+        def on_done(run, code: int) -> None:
+            path, record = by_dir[run.run_dir]
+            row = f"{path.stem} ({record.baseline} · {record.budget} · seed {record.seed})"
+            if code != 0 or not run.done:
+                failures.append(f"{row}: the re-run failed (exit {code}; {run.run_dir}/sweep.log)")
+                err_console.print(f"[red]FAILED[/] {failures[-1]}", highlight=False)
+                return
+            try:
+                comparison = compare_rerun(record, load_rerun(run), str(path))
+            except UserError as error:
+                failures.append(str(error))
+                err_console.print(f"[red]DOES NOT REPRODUCE[/] {error}", highlight=False)
+                return
+            wers = ", ".join(
+                f"{name} {a:.2%}→{b:.2%}" for name, (a, b) in sorted(comparison.wer.items())
+            )
+            how = (
+                "bit for bit"
+                if comparison.exact
+                else "within tolerance on another setup ("
+                + "; ".join(comparison.setup_differences)
+                + ")"
+            )
+            console.print(f"[green]reproduced[/] {row} {how}: {wers}", highlight=False)
+
+        run_planned([plan for _, _, plan in plans], jobs, on_done)
+        if failures:
+            raise UserError(f"{len(failures)} of {len(plans)} records did not reproduce")
+        console.print(f"{len(plans)} records reproduced", highlight=False)
+
     @group.command("paper")
     def paper(
         results: Path = ResultsOption,

@@ -36,6 +36,7 @@ class PlannedRun:
     sets: tuple[str, ...]
     run_dir: Path
     run_args: tuple[str, ...] = ()  # passed through to every run: --device, --data-root, --specs
+    threads: int | None = None  # intra-op threads (OMP_NUM_THREADS); None: cores / jobs
 
     @property
     def done(self) -> bool:
@@ -140,6 +141,13 @@ def run_sweep(
 ) -> SweepReport:
     """Run the unfinished runs, `jobs` at a time; `on_done(run, exit_code)` after each; then
     plot (budgets, declared: as plots.plot_results takes them)."""
+    report = run_planned(plan, jobs, on_done)
+    report.plots = plot_sweep(plan, plot_dir, budgets, declared)
+    return report
+
+
+def run_planned(plan: list[PlannedRun], jobs: int = 1, on_done=lambda run, code: None):
+    """Run the unfinished runs, `jobs` at a time; `on_done(run, exit_code)` after each."""
     report = SweepReport(skipped=[run for run in plan if run.done])
     queue = [run for run in plan if not run.done]
     env = dict(os.environ)
@@ -151,9 +159,10 @@ def run_sweep(
         while queue and len(running) < jobs:
             run = queue.pop(0)
             run.run_dir.mkdir(parents=True, exist_ok=True)
+            run_env = env if run.threads is None else {**env, "OMP_NUM_THREADS": str(run.threads)}
             with open(run.run_dir / "sweep.log", "ab") as log:
                 proc = subprocess.Popen(
-                    run.command(), stdout=log, stderr=subprocess.STDOUT, env=env
+                    run.command(), stdout=log, stderr=subprocess.STDOUT, env=run_env
                 )
             running.append((run, proc))
         finished = next((item for item in running if item[1].poll() is not None), None)
@@ -167,7 +176,6 @@ def run_sweep(
         else:
             report.failed.append((run, code))
         on_done(run, code)
-    report.plots = plot_sweep(plan, plot_dir, budgets, declared)
     return report
 
 

@@ -1,0 +1,153 @@
+# ruff: noqa: F811  (pytest fixtures imported from other test modules, used as arguments)
+"""`pflbench results reproduce` on real runs of the tiny task: an honest filed run is re-run and
+reproduces bit for bit; a no-DP model filed as a DP run passes re-scoring and verify but not a
+re-run; on another setup the comparison is within the stated tolerance and still exact where
+floats cannot matter; the sample is fixed by its key."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from test_results_verify import copy_run, data, registry, rewrite_record, specs  # noqa: F401
+from test_run import TASK, specs_dir  # noqa: F401  (fixture)
+from typer.testing import CliRunner
+
+from pflbench.cli import app
+from pflbench.errors import UserError
+from pflbench.results.reproduce import RERUN_TOLERANCE, compare_rerun, sample_records
+from pflbench.results.schema import load_record
+from pflbench.results.submit import submit
+from pflbench.results.verify import verify_run
+from pflbench.runner import RunOptions, run
+from pflbench.spec.resolve import resolve
+
+DP_BUDGET = "eps7.2-high-pop"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, tiny_cache_dir, tiny_task_data, registry) -> dict[str, Path]:
+    """Finished perlayer-dim runs of the tiny task without and with DP, shared read-only."""
+    out = tmp_path_factory.mktemp("runs")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
+        return {
+            budget: run(
+                resolve(registry, TASK, "perlayer-dim", budget, 0, []),
+                out_dir=out / budget,
+                options=RunOptions(progress=False),
+            )
+            for budget in ("none", DP_BUDGET)
+        }
+
+
+def reproduce(results: Path, out: Path, specs_dir: Path, *args: str):
+    common = ["--results", str(results), "--out", str(out), "--specs", str(specs_dir)]
+    return CliRunner().invoke(app, ["results", "reproduce", *args, *common])
+
+
+def test_an_honest_filed_run_reproduces_bit_for_bit(
+    runs,
+    tmp_path,
+    registry,
+    data,
+    specs,
+    monkeypatch,
+    tiny_cache_dir,
+):
+    monkeypatch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
+    accepted = submit(
+        copy_run(runs[DP_BUDGET], tmp_path), tmp_path / "results", registry, data=data
+    )
+    result = reproduce(tmp_path / "results", tmp_path / "re", specs, accepted.path.stem)
+    assert result.exit_code == 0, result.output
+    assert "bit for bit" in result.output and "1 records reproduced" in result.output
+    # The re-run itself ran with the record's thread count and is a finished run of its own.
+    rerun, _ = load_record(tmp_path / "re" / accepted.path.stem / "record.json")
+    assert rerun.compute.intra_op_threads == accepted.record.compute.intra_op_threads
+    assert rerun.outputs == accepted.record.outputs
+    # A second re-run into the same folder is refused rather than resumed or skipped.
+    again = reproduce(tmp_path / "results", tmp_path / "re", specs, accepted.path.stem)
+    assert again.exit_code != 0 and "exists" in str(again.exception)
+
+
+def test_a_no_dp_model_filed_as_a_dp_run_passes_the_file_checks_but_not_a_re_run(
+    runs,
+    tmp_path,
+    registry,
+    data,
+    specs,
+    monkeypatch,
+    tiny_cache_dir,
+):
+    monkeypatch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
+    forged = copy_run(runs[DP_BUDGET], tmp_path)
+    honest_none, _ = load_record(runs["none"] / "record.json")
+    for folder in ("checkpoints", "hypotheses"):
+        shutil.rmtree(forged / folder)
+        shutil.copytree(runs["none"] / folder, forged / folder)
+
+    def relabel(raw: dict) -> None:
+        for key in ("outputs", "metrics"):
+            raw[key] = json.loads(honest_none.model_dump_json(include={key}))[key]
+
+    rewrite_record(forged, relabel)
+    verify_run(forged, "cpu", data)  # the checkpoint does give these hypotheses
+    accepted = submit(forged, tmp_path / "results", registry, data=data)
+    result = reproduce(tmp_path / "results", tmp_path / "re", specs, accepted.path.stem)
+    assert "did not reproduce" in str(result.exception)
+    said = " ".join(result.output.split())  # as printed, wrapped to the terminal
+    assert "does not reproduce: record.outputs.final_model" in said
+    assert "bit for bit (the run's own setup)" in said
+
+
+def test_on_another_setup_wer_within_tolerance_and_cohorts_exactly(runs):
+    filed, _ = load_record(runs[DP_BUDGET] / "record.json")
+    assert compare_rerun(filed, filed, "r").exact
+    elsewhere = filed.model_copy(deep=True)
+    elsewhere.compute.intra_op_threads = filed.compute.intra_op_threads + 1
+    elsewhere.outputs.final_model = "0" * 64  # other rounding, another model
+    for result in elsewhere.metrics.final.values():
+        result.wer += RERUN_TOLERANCE / 2
+    comparison = compare_rerun(filed, elsewhere, "r")
+    assert not comparison.exact and comparison.setup_differences[0].startswith("intra_op_threads")
+    with pytest.raises(UserError, match="record.outputs.final_model"):
+        compare_rerun(filed, elsewhere.model_copy(update={"compute": filed.compute}), "r")
+    far = elsewhere.model_copy(deep=True)
+    next(iter(far.metrics.final.values())).wer += RERUN_TOLERANCE
+    with pytest.raises(UserError, match=rf"\.wer is .* WER within {RERUN_TOLERANCE}"):
+        compare_rerun(filed, far, "r")
+    # Cohorts are integer randomness: no setup moves them.
+    resampled = elsewhere.model_copy(deep=True)
+    resampled.compute.cohort_per_step = [c + 1 for c in filed.compute.cohort_per_step]
+    with pytest.raises(UserError, match="compute.cohort_per_step"):
+        compare_rerun(filed, resampled, "r")
+    other_config = filed.model_copy(deep=True)
+    other_config.config["recipe"]["federated"]["client"]["lr"] *= 2
+    with pytest.raises(UserError, match="another config .config.recipe.federated.client.lr"):
+        compare_rerun(filed, other_config, "r")
+
+
+def test_the_sample_is_fixed_by_its_key_and_respects_the_wall_time_limit(runs):
+    base, _ = load_record(runs["none"] / "record.json")
+    records = []
+    for i in range(20):
+        record = base.model_copy(deep=True)
+        record.record_id = f"{i:016x}"
+        record.compute.wall_seconds = 10.0 * i
+        records.append((Path(f"{record.record_id}.json"), record))
+    first = sample_records(records, 3, "abc", None)
+    assert len(first) == 3 and first == sample_records(records, 3, "abc", None)
+    assert first != sample_records(records, 3, "abd", None)
+    quick = sample_records(records, 20, "abc", 50.0)
+    assert sorted(r.compute.wall_seconds for _, r in quick) == [0, 10, 20, 30, 40, 50]
+
+
+def test_bad_arguments_are_refused_with_the_reason(tmp_path, specs):
+    (tmp_path / "results").mkdir()
+    neither = reproduce(tmp_path / "results", tmp_path / "re", specs)
+    assert "give record ids or --sample N" in str(neither.exception)
+    unknown = reproduce(tmp_path / "results", tmp_path / "re", specs, "0123456789abcdef")
+    assert "no record with this id" in str(unknown.exception)
