@@ -19,6 +19,7 @@ from pflbench.fl.local_update import LocalUpdate
 from pflbench.fl.user_state import UserStateStore
 from pflbench.model.transformer import build_model
 from pflbench.privacy.adaptive import combined_noise, update_noise
+from pflbench.privacy.aggregate import ExactSum, _one_span
 from pflbench.privacy.noise import add_gaussian_noise, client_noise_std, noise_generator
 from pflbench.privacy.sampling import expected_cohort, sample_cohort
 from pflbench.spec.models import (
@@ -70,6 +71,9 @@ def test_delta_is_global_minus_local_and_keyed():
     assert all(torch.equal(first[k], again.update[k]) for k in first)
     other_step = _train(trainer, _globals(model), data, 4, "u0")
     assert not all(torch.equal(first[k], other_step.update[k]) for k in first)
+    # Δ lies in one flat span, which the exact sum scales without gathering it.
+    like = ExactSum(dict(first), max_abs=1.0)._scaled
+    assert _one_span(list(other_step.update.values()), like) is not None
 
 
 def test_local_steps_and_epochs_schedule():

@@ -236,3 +236,32 @@ def test_exact_sum_keeps_fp64_updates_exact_and_refuses_them_in_narrow_scratch()
     narrow = ExactSum({"w": torch.zeros(3)}, max_abs=1.0, max_terms=4)
     with pytest.raises(ValueError, match="fp64 update"):
         narrow.add({"w": values})
+
+
+def test_an_update_lying_in_one_flat_buffer_sums_exactly_as_separate_tensors():
+    """Δ as views of one buffer (fl.local_update) is scaled in place of being gathered: the same
+    integers. Views that are not back to back, or of another dtype, take the gather path."""
+    from pflbench.privacy.aggregate import _one_span
+
+    users = clipped_users(7, clip_bound=0.5)
+    sizes = [t.numel() for t in zeros().values()]
+    separate, spans = ExactSum(zeros(), max_abs=0.5), ExactSum(zeros(), max_abs=0.5)
+    for user in users:
+        buffer = torch.cat([t.reshape(-1) for t in user.values()])
+        views = {
+            n: piece.view(t.shape)
+            for (n, t), piece in zip(user.items(), buffer.split(sizes), strict=True)
+        }
+        assert _one_span(list(views.values()), spans._scaled) is not None
+        separate.add({n: t.clone() for n, t in user.items()})
+        spans.add(views)
+    assert torch.equal(separate.buffers()[0], spans.buffers()[0])
+    like = separate._scaled
+    pieces = [t.clone() for t in users[0].values()]
+    assert _one_span(pieces, like) is None  # separate allocations
+    buffer = torch.zeros(like.numel() + 1)
+    shifted = [p.view(-1) for p in buffer[1:].split(sizes)]
+    assert _one_span(shifted, like) is not None
+    assert _one_span(shifted[::-1], like) is None  # out of order
+    assert _one_span([p.double() for p in shifted], like) is None
+    assert _one_span(shifted[:-1], like) is None  # short of the sum's size

@@ -39,7 +39,13 @@ class LocalUpdate:
     ):
         self.params, self.grads, self.recipe = params, grads, recipe
         self.group_size = params[0].shape[0]
-        self.delta = [torch.empty_like(p) for p in params]  # Δ at the end
+        # Δ at the end, in one [G, total] buffer with a view per tensor: each client's Δ is one
+        # contiguous span, which the exact sum scales without gathering it first.
+        sizes = [p[0].numel() for p in params]
+        flat = params[0].new_empty(self.group_size, sum(sizes))
+        self.delta = [
+            piece.view(p.shape) for piece, p in zip(flat.split(sizes, dim=1), params, strict=True)
+        ]
         # Each client's slices, for the per-client norms, clipping and noise draws.
         self.grad_slots = [[g[i] for g in grads] for i in range(self.group_size)]
         self.delta_slots = [[d[i] for d in self.delta] for i in range(self.group_size)]
