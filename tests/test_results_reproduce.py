@@ -43,25 +43,30 @@ def runs(tmp_path_factory, tiny_cache_dir, tiny_task_data, registry) -> dict[str
         }
 
 
-def reproduce(results: Path, out: Path, specs_dir: Path, *args: str):
-    common = ["--results", str(results), "--out", str(out), "--specs", str(specs_dir)]
-    return CliRunner().invoke(app, ["results", "reproduce", *args, *common])
-
-
-def test_an_honest_filed_run_reproduces_bit_for_bit(
-    runs,
-    tmp_path,
-    registry,
-    data,
-    specs,
-    monkeypatch,
-    tiny_cache_dir,
-):
-    monkeypatch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
-    accepted = submit(
-        copy_run(runs[DP_BUDGET], tmp_path), tmp_path / "results", registry, data=data
+def reproduce(tmp_path: Path, specs_dir: Path, *args: str):
+    """The CLI on tmp_path/results, re-running into tmp_path/re."""
+    common = ["--results", str(tmp_path / "results"), "--out", str(tmp_path / "re")]
+    return CliRunner().invoke(
+        app, ["results", "reproduce", *args, *common, "--specs", str(specs_dir)]
     )
-    result = reproduce(tmp_path / "results", tmp_path / "re", specs, accepted.path.stem)
+
+
+@pytest.fixture
+def file_run(tmp_path, registry, data, monkeypatch, tiny_cache_dir):
+    """Files a copy of a run folder (after `edit` of the copy) under tmp_path/results."""
+    monkeypatch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
+
+    def file(run_dir: Path, edit=lambda copy: None):
+        copy = copy_run(run_dir, tmp_path)
+        edit(copy)
+        return submit(copy, tmp_path / "results", registry, data=data)
+
+    return file
+
+
+def test_an_honest_filed_run_reproduces_bit_for_bit(runs, tmp_path, specs, file_run):
+    accepted = file_run(runs[DP_BUDGET])
+    result = reproduce(tmp_path, specs, accepted.path.stem)
     assert result.exit_code == 0, result.output
     assert "bit for bit" in result.output and "1 records reproduced" in result.output
     # The re-run itself ran with the record's thread count and is a finished run of its own.
@@ -69,34 +74,29 @@ def test_an_honest_filed_run_reproduces_bit_for_bit(
     assert rerun.compute.intra_op_threads == accepted.record.compute.intra_op_threads
     assert rerun.outputs == accepted.record.outputs
     # A second re-run into the same folder is refused rather than resumed or skipped.
-    again = reproduce(tmp_path / "results", tmp_path / "re", specs, accepted.path.stem)
+    again = reproduce(tmp_path, specs, accepted.path.stem)
     assert again.exit_code != 0 and "exists" in str(again.exception)
 
 
 def test_a_no_dp_model_filed_as_a_dp_run_passes_the_file_checks_but_not_a_re_run(
-    runs,
-    tmp_path,
-    registry,
-    data,
-    specs,
-    monkeypatch,
-    tiny_cache_dir,
+    runs, tmp_path, specs, data, file_run
 ):
-    monkeypatch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
-    forged = copy_run(runs[DP_BUDGET], tmp_path)
     honest_none, _ = load_record(runs["none"] / "record.json")
-    for folder in ("checkpoints", "hypotheses"):
-        shutil.rmtree(forged / folder)
-        shutil.copytree(runs["none"] / folder, forged / folder)
 
-    def relabel(raw: dict) -> None:
-        for key in ("outputs", "metrics"):
-            raw[key] = json.loads(honest_none.model_dump_json(include={key}))[key]
+    def relabel(forged: Path) -> None:
+        for folder in ("checkpoints", "hypotheses"):
+            shutil.rmtree(forged / folder)
+            shutil.copytree(runs["none"] / folder, forged / folder)
+        rewrite_record(
+            forged,
+            lambda raw: raw.update(
+                json.loads(honest_none.model_dump_json(include={"outputs", "metrics"}))
+            ),
+        )
+        verify_run(forged, "cpu", data)  # the checkpoint does give these hypotheses
 
-    rewrite_record(forged, relabel)
-    verify_run(forged, "cpu", data)  # the checkpoint does give these hypotheses
-    accepted = submit(forged, tmp_path / "results", registry, data=data)
-    result = reproduce(tmp_path / "results", tmp_path / "re", specs, accepted.path.stem)
+    accepted = file_run(runs[DP_BUDGET], relabel)  # and re-scoring passes
+    result = reproduce(tmp_path, specs, accepted.path.stem)
     assert "did not reproduce" in str(result.exception)
     said = " ".join(result.output.split())  # as printed, wrapped to the terminal
     assert "does not reproduce: record.outputs.final_model" in said
@@ -147,7 +147,7 @@ def test_the_sample_is_fixed_by_its_key_and_respects_the_wall_time_limit(runs):
 
 def test_bad_arguments_are_refused_with_the_reason(tmp_path, specs):
     (tmp_path / "results").mkdir()
-    neither = reproduce(tmp_path / "results", tmp_path / "re", specs)
+    neither = reproduce(tmp_path, specs)
     assert "give record ids or --sample N" in str(neither.exception)
-    unknown = reproduce(tmp_path / "results", tmp_path / "re", specs, "0123456789abcdef")
+    unknown = reproduce(tmp_path, specs, "0123456789abcdef")
     assert "no record with this id" in str(unknown.exception)
