@@ -216,7 +216,7 @@ def profile_pflbench(sections: Sections, sim: Simulator) -> None:
     sections.wrap_iterator(client, "train_group", "client: trainer loop")
     wrap(client, "_key_model_draws", "client: trainer loop")
     wrap(client.update, "start", "client: copy global weights")
-    wrap(client.update, "zero_grad", "client: zero grads")
+    wrap(client.update, "take_grads", "client: zero grads")  # nothing to zero: the hand-over
     wrap(client.model, "forward", "client: forward")
     wrap(pflbench.fl.client, "ctc_losses", "client: forward")
     wrap(client, "_forward_backward", "client: backward")

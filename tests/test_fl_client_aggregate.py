@@ -71,6 +71,8 @@ def test_delta_is_global_minus_local_and_keyed():
     assert all(torch.equal(first[k], again.update[k]) for k in first)
     other_step = _train(trainer, _globals(model), data, 4, "u0")
     assert not all(torch.equal(first[k], other_step.update[k]) for k in first)
+    # The backward's gradients are handed over, not accumulated into buffers kept on the model.
+    assert all(leaf.grad is None for leaf in trainer.leaves)
     # Δ lies in one flat span, which the exact sum scales without gathering it.
     like = ExactSum(dict(first), max_abs=1.0)._scaled
     assert _one_span(list(other_step.update.values()), like) is not None
@@ -137,7 +139,8 @@ def test_one_client_rule_is_clip_grad_norm_and_sgd_bitwise(mu):
         torch._foreach_add_(leaves, [p.grad for p in leaves], alpha=-recipe.lr)
     assert total > recipe.grad_clip  # the clipping is active
 
-    rule = LocalUpdate(params, grads, recipe)
+    rule = LocalUpdate(params, recipe)
+    rule.take_grads(grads)
     rule.start(global_params)
     torch._foreach_copy_(params, [t.unsqueeze(0) for t in theta])
     _algorithm(recipe, params).correct(rule)
@@ -152,11 +155,11 @@ def test_one_client_rule_is_clip_grad_norm_and_sgd_bitwise(mu):
 def test_fedprox_gradient_is_mu_times_distance():
     recipe = ClientRecipe(algorithm="fedprox", fedprox_mu=0.5, lr=0.1, grad_clip=1e6)
     params, grads = _stacked(2)
-    rule = LocalUpdate(params, grads, recipe)
+    rule = LocalUpdate(params, recipe)
     rule.start([torch.zeros_like(p[0]) for p in params])
     for i, p in enumerate(params):
         p.fill_(float(i % 3) - 1.0)
-    rule.zero_grad()
+    rule.take_grads([torch.zeros_like(g) for g in grads])
     expected = [p - 0.1 * 0.5 * (p - 0.0) for p in params]
     _algorithm(recipe, params).correct(rule)
     rule.step(idle=[])
@@ -179,13 +182,15 @@ def test_stacked_clients_step_alone_and_idle_ones_stay():
             [t[i : i + 1].clone() for t in theta],
             [g[i : i + 1].clone() for g in grads],
         )
-        alone = LocalUpdate(alone_params, alone_grads, recipe)
+        alone = LocalUpdate(alone_params, recipe)
+        alone.take_grads(alone_grads)
         alone.start(global_params)
         torch._foreach_copy_(alone_params, [t[i : i + 1] for t in theta])
         _algorithm(recipe, alone_params).correct(alone)
         alone.step(idle=[])
         expected.append(alone_params)
-    rule = LocalUpdate(params, grads, recipe)
+    rule = LocalUpdate(params, recipe)
+    rule.take_grads(grads)
     rule.start(global_params)
     torch._foreach_copy_(params, theta)
     noise = _algorithm(noisy, params)

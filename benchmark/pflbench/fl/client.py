@@ -141,12 +141,11 @@ class ClientTrainer(ABC):
         seed: int,
         device: str,
         params: list[torch.Tensor],
-        grads: list[torch.Tensor],
         compile_backend: str | None = None,
         pad_to_buckets: bool | None = None,
     ):
-        """`model`: this trainer's own copy; `params`/`grads`: its trained tensors and their
-        gradients as [G, ...] views (what its forward reads and its backward accumulates into)."""
+        """`model`: this trainer's own copy; `params`: its trained tensors as [G, ...] views
+        (what its forward reads)."""
         self.model = model.train()  # its own copy, only ever trained
         self.names = list(trained)
         self.algorithm = algorithm
@@ -155,7 +154,7 @@ class ClientTrainer(ABC):
         self.compile_backend = compile_backend
         compiler = step_compiler(compile_backend, device)
         self.pad_to_buckets = compiler is not None if pad_to_buckets is None else pad_to_buckets
-        self.update = LocalUpdate(params, grads, self.recipe, compiler)
+        self.update = LocalUpdate(params, self.recipe, compiler)
         self.group_size = self.update.group_size
         self._losses = compiler(self._group_losses) if compiler else self._group_losses
         # CAPE draws per slot: None draws from the global RNG (seeded by _key_model_draws)
@@ -173,6 +172,14 @@ class ClientTrainer(ABC):
     def _key_model_draws(self, plans: list[ClientPlan]) -> None:
         """Seed the model's own random draws of the group's clients from their `model_seed`
         (CAPE's: `_position_generators`)."""
+
+    @abstractmethod
+    def _leaves(self) -> list[torch.Tensor]:
+        """The tensors the backward differentiates (the trained ones, as the forward uses them)."""
+
+    @abstractmethod
+    def _stacked(self, grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        """The leaves' gradients as [G, ...] tensors, like `update.params` (views, no copy)."""
 
     @abstractmethod
     def _group_losses(self, *inputs: torch.Tensor) -> torch.Tensor:
@@ -216,9 +223,10 @@ class ClientTrainer(ABC):
         return GroupInputs(feats, feat_lens, positions, targets, target_lens, weights)
 
     def _forward_backward(self, inputs: GroupInputs) -> torch.Tensor:
-        """Forward and backward of the group (gradients into `update.grads`); returns the [G]
-        clients' losses, detached. The clients are independent, so the backward of their sum
-        gives each client's slice of the stacked gradient exactly its own gradient."""
+        """Forward and backward of the group (its gradients handed to `update`); returns the
+        [G] clients' losses, detached. The clients are independent, so the backward of their sum
+        gives each client's slice of the stacked gradient exactly its own gradient. The gradients
+        are the backward's own new tensors: no buffer to zero before it or to add them into."""
         if self.compile_backend is not None:
             # The batch dimensions vary: one graph for all their sizes (and one for a single
             # utterance, which torch.compile always specializes), not one per size.
@@ -226,7 +234,7 @@ class ClientTrainer(ABC):
                 for dim in range(1, tensor.dim() - (tensor is inputs.feats)):
                     torch._dynamo.maybe_mark_dynamic(tensor, dim)
         losses = self._losses(*inputs)
-        losses.sum().backward()
+        self.update.take_grads(self._stacked(torch.autograd.grad(losses.sum(), self._leaves())))
         return losses.detach()
 
     def train_group(
@@ -271,7 +279,6 @@ class ClientTrainer(ABC):
             inputs = self._group_inputs(batches)
             started = clock(self.device, self.synchronize)
             algorithm.perturb(self.update, active)
-            self.update.zero_grad()
             losses = self._forward_backward(inputs)
             algorithm.unperturb(self.update)
             algorithm.correct(self.update)
@@ -317,15 +324,18 @@ class SequentialClientTrainer(ClientTrainer):
         named = dict(model.named_parameters())
         for name, param in named.items():
             param.requires_grad_(name in trained)
-        leaves = [named[n] for n in trained]
-        for p in leaves:
-            p.grad = torch.zeros_like(p)  # backward accumulates into these very tensors
+        self.leaves = [named[n] for n in trained]
         super().__init__(
             model, trained, algorithm, spec_augment_recipe, seed, device,
-            params=[p.detach().unsqueeze(0) for p in leaves],
-            grads=[p.grad.unsqueeze(0) for p in leaves],
+            params=[p.detach().unsqueeze(0) for p in self.leaves],
             compile_backend=compile_backend, pad_to_buckets=pad_to_buckets,
         )  # fmt: skip
+
+    def _leaves(self) -> list[torch.Tensor]:
+        return self.leaves
+
+    def _stacked(self, grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        return [g.unsqueeze(0) for g in grads]
 
     @torch.no_grad()
     def load_frozen(self, global_model: torch.nn.Module) -> None:

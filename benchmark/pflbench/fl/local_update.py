@@ -25,19 +25,20 @@ from pflbench.spec.models import ClientRecipe
 
 
 class LocalUpdate:
-    """The rule above on `params` and their `grads`, each a list of [G, ...] tensors that the
-    trainer owns (its backward accumulates into `grads`; `params` are what its forward reads).
-    Algorithms read `global_params` (broadcast [G, ...] views of the global weights) and may use
-    `delta` (per client: `delta_slots`) as scratch during the local steps."""
+    """The rule above on `params`, a list of [G, ...] tensors that the trainer owns (what its
+    forward reads), and each local step's gradients, [G, ...] tensors handed over by
+    `take_grads` (the trainer's backward makes new ones each step: nothing to zero or accumulate
+    into). Algorithms read `global_params` (broadcast [G, ...] views of the global weights), may
+    correct `grads` in place, and may use `delta` (per client: `delta_slots`) as scratch during
+    the local steps."""
 
     def __init__(
         self,
         params: list[torch.Tensor],
-        grads: list[torch.Tensor],
         recipe: ClientRecipe,
         compiler: Callable[[Callable], Callable] | None = None,
     ):
-        self.params, self.grads, self.recipe = params, grads, recipe
+        self.params, self.recipe = params, recipe
         self.group_size = params[0].shape[0]
         # Δ at the end, in one [G, total] buffer with a view per tensor: each client's Δ is one
         # contiguous span, which the exact sum scales without gathering it first.
@@ -46,13 +47,24 @@ class LocalUpdate:
         self.delta = [
             piece.view(p.shape) for piece, p in zip(flat.split(sizes, dim=1), params, strict=True)
         ]
-        # Each client's slices, for the per-client norms, clipping and noise draws.
-        self.grad_slots = [[g[i] for g in grads] for i in range(self.group_size)]
         self.delta_slots = [[d[i] for d in self.delta] for i in range(self.group_size)]
+        self.grads: list[torch.Tensor] = []
+        self.grad_slots: list[list[torch.Tensor]] = []
         self.global_params: list[torch.Tensor] = []
         self._clip_and_descend = (
             compiler(self.clip_and_descend) if compiler else self.clip_and_descend
         )
+
+    def take_grads(self, grads: list[torch.Tensor]) -> None:
+        """This local step's gradients ([G, ...], like `params`), which the rule changes in
+        place: one a backward formula returned as a broadcast view is copied first."""
+        self.grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+        # Each client's slices, for the per-client norms, clipping and noise draws (one client:
+        # the tensors themselves).
+        if self.group_size == 1:
+            self.grad_slots = [self.grads]
+        else:
+            self.grad_slots = [[g[i] for g in self.grads] for i in range(self.group_size)]
 
     @torch.no_grad()
     def start(self, global_params: list[torch.Tensor]) -> None:
@@ -63,12 +75,8 @@ class LocalUpdate:
         torch._foreach_copy_(self.params, self.global_params)
 
     @torch.no_grad()
-    def zero_grad(self) -> None:
-        torch._foreach_zero_(self.grads)
-
-    @torch.no_grad()
     def step(self, idle: list[int]) -> None:
-        """One local step from the gradients in `grads`. Clients in `idle` (schedule ended, or
+        """One local step from the gradients taken. Clients in `idle` (schedule ended, or
         an empty slot) get a zero gradient: not even a NaN of a padding slot can move them."""
         if idle:
             torch._foreach_zero_([g for i in idle for g in self.grad_slots[i]])

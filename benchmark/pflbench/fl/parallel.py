@@ -65,15 +65,18 @@ class ParallelClientTrainer(ClientTrainer):
             named[n].detach().new_zeros((group_size, *named[n].shape)).requires_grad_()
             for n in trained
         ]
-        for p in self.stacked:
-            p.grad = torch.zeros_like(p)  # backward accumulates into these very tensors
         super().__init__(
             model, trained, algorithm, spec_augment_recipe, seed, device,
             params=[p.detach() for p in self.stacked],
-            grads=[p.grad for p in self.stacked],
             compile_backend=compile_backend, pad_to_buckets=pad_to_buckets,
         )  # fmt: skip
         self._forward = vmap(self._client_forward)
+
+    def _leaves(self) -> list[torch.Tensor]:
+        return self.stacked
+
+    def _stacked(self, grads: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        return list(grads)
 
     def _client_forward(self, params, feats, feat_lens, positions):
         tensors = {**dict(zip(self.names, params, strict=True)), **self.frozen}
