@@ -178,6 +178,51 @@ def test_cli_check_exits_nonzero_when_stale(tmp_path, monkeypatch):
     assert runner.invoke(app, ["leaderboard", "--check", *args]).exit_code == 1
 
 
+def test_a_declared_matrix_must_be_filed_whole(tmp_path):
+    """A sweep file beside results/ declares rows and their seeds: a deleted seed or row, or a
+    seed filed beside the declared ones, stops the leaderboard (and `results validate`)."""
+    root = copy_golden(tmp_path)
+    sweeps = tmp_path / "sweeps"  # found beside the results folder without --sweeps
+    sweeps.mkdir()
+    declared = {
+        "task": "fx-task",
+        "groups": [
+            {"baselines": ["fedavg"], "budgets": ["fx-nodp"], "seeds": [0, 1, 2]},
+            {"baselines": ["perlayer-dim"], "budgets": ["fx-dp"], "seeds": [0, 1]},
+        ],
+    }
+    sweep_file = sweeps / "fx-task.yaml"
+    args = ["leaderboard", "--results", str(root), "--output", str(tmp_path / "lb.md")]
+    args += ["--figures", str(tmp_path / "figures")]
+
+    def refusal(sweep: dict) -> str:
+        sweep_file.write_text(json.dumps(sweep))
+        result = CliRunner().invoke(app, args)
+        if result.exit_code == 0:
+            return ""
+        assert "not the declared matrix" in str(result.exception), result.output
+        return str(result.exception)
+
+    assert refusal(declared) == ""
+    three = {**declared["groups"][0], "seeds": [0, 1, 2, 3]}
+    assert "fedavg @ fx-nodp (task v2): seeds [0, 1, 2] filed, [0, 1, 2, 3] declared" in refusal(
+        {**declared, "groups": [three, declared["groups"][1]]}
+    )
+    one = {**declared["groups"][1], "seeds": [0]}
+    assert "perlayer-dim @ fx-dp (task v2): seeds [0, 1] filed, [0] declared" in refusal(
+        {**declared, "groups": [declared["groups"][0], one]}
+    )
+    unrun = {"baselines": ["fedprox"], "budgets": ["fx-dp"], "set": ["federated.cohort_size=8"]}
+    assert "fedprox @ fx-dp --set federated.cohort_size=8: seeds [0] declared by" in refusal(
+        {**declared, "groups": [*declared["groups"], unrun]}
+    )
+    sweep_file.write_text(json.dumps(declared))
+    (root / "fx-task" / "fx-nodp" / "6563d74ffcf4a692.json").unlink()  # fedavg seed 1
+    assert "fedavg @ fx-nodp (task v2): seeds [0, 2] filed, [0, 1, 2] declared" in refusal(declared)
+    # Another task's matrix is checked only where that task has records.
+    assert refusal({**declared, "task": "fx-other"}) == ""
+
+
 # ----------------------------------------------------------------------------------------------
 # The repository's own results/
 

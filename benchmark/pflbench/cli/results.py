@@ -24,6 +24,12 @@ DataRootOption = typer.Option(
     help="Folder with the real corpora, for the eval sets' references (also PFLBENCH_DATA); "
     "synth-* tasks synthesize theirs into the cache.",
 )
+SweepsOption = typer.Option(
+    None,
+    "--sweeps",
+    help="The declared matrices (sweeps/*.yaml) whose filed results must be whole; default: "
+    "sweeps/ beside the results folder.",
+)
 LEADERBOARD_FILE = Path("leaderboard.md")
 FIGURES_DIR = Path("docs/figures")
 
@@ -32,6 +38,12 @@ def _registry(specs: list[Path] | None, plugins: list[str] | None = None):
     from pflbench.cli.common import load_specs
 
     return load_specs(specs, plugins)
+
+
+def _check_declared(records, results: Path, sweeps: Path | None) -> None:
+    from pflbench.results.sweep import check_declared_seeds, load_sweep_folder
+
+    check_declared_seeds(records, load_sweep_folder(sweeps or Path(results).parent / "sweeps"))
 
 
 def _split(text: str, what: str) -> list[str]:
@@ -171,6 +183,7 @@ def register(app: typer.Typer) -> None:
             help="Write nothing; exit 1 when the file or a figure it embeds is not up to date.",
         ),
         specs: list[Path] = SpecsOption,
+        sweeps: Path = SweepsOption,
     ) -> None:
         """Regenerate leaderboard.md from results/ (byte-identical for the same records); it
         embeds the figures `pflbench plot` writes."""
@@ -185,6 +198,7 @@ def register(app: typer.Typer) -> None:
         registry = _registry(specs)
         files = load_result_files(results)
         records = [record for _, record, _ in files]
+        _check_declared(records, results, sweeps)
         budgets, declared = _figure_specs(registry)
         drawn, _ = all_result_figures(records, budgets, declared)
         links = figure_links(drawn, Path(os.path.relpath(figures, output.parent)).as_posix())
@@ -358,11 +372,13 @@ def register(app: typer.Typer) -> None:
     def validate(
         results: Path = ResultsOption,
         specs: list[Path] = SpecsOption,
+        sweeps: Path = SweepsOption,
     ) -> None:
         """Re-check every record in results/ (CI runs this): schema, ids and config hashes; each
         run's config is the one its task, baseline, budget and --set overrides resolve to (current
         task versions); every ε claim re-accounted and the privacy statement, field for field,
-        the one pflbench writes; no config filed twice. `results rescore` re-scores the WERs."""
+        the one pflbench writes; no config filed twice; every declared matrix (sweeps/) filed
+        whole, each row with exactly its declared seeds. `results rescore` re-scores the WERs."""
         from pflbench.results.leaderboard import load_result_files
         from pflbench.results.submit import validate_record
 
@@ -372,6 +388,7 @@ def register(app: typer.Typer) -> None:
         for path, record, raw in found:
             if record.kind == "run":
                 stale += validate_record(record, raw, registry, str(path), stale_ok=True)
+        _check_declared([record for _, record, _ in found], results, sweeps)
         console.print(f"{len(found)} records valid ({stale} stale)", highlight=False)
 
     @group.command("rescore")

@@ -22,9 +22,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pflbench.errors import UserError
+from pflbench.results.leaderboard import group_rows
 from pflbench.results.plots import PlotReport, plot_results, plot_run
-from pflbench.results.schema import load_record
+from pflbench.results.schema import ResultRecord, load_record
 from pflbench.spec.names import safe_name
+from pflbench.spec.resolve import canonical_json, parse_set
 
 
 @dataclass(frozen=True)
@@ -90,6 +92,61 @@ def load_sweep_file(path: Path) -> SweepFile:
         raise UserError(f"{path}: cannot read the sweep file ({exc.strerror})") from None
     except (yaml.YAMLError, ValidationError) as exc:
         raise UserError(f"{path}: not a valid sweep file:\n{exc}") from None
+
+
+def load_sweep_folder(folder: Path) -> list[tuple[Path, SweepFile]]:
+    """Every sweeps/*.yaml; no folder, no declared matrix."""
+    folder = Path(folder)
+    paths = sorted(folder.glob("*.yaml")) if folder.is_dir() else []
+    return [(path, load_sweep_file(path)) for path in paths]
+
+
+def _run_name(task: str, baseline: str, budget: str, overrides: dict) -> str:
+    sets = "".join(f" --set {key}={value}" for key, value in overrides.items())
+    return f"{task} {baseline} @ {budget}{sets}"
+
+
+def check_declared_seeds(records: list[ResultRecord], sweeps: list[tuple[Path, SweepFile]]) -> None:
+    """The filed results of a declared matrix are the whole matrix: for each task with run records,
+    every configuration a sweep file declares (baseline, budget, --set) has a row, and each of its
+    rows holds exactly the declared seeds. A deleted seed (or row) would otherwise move a row's
+    mean unseen, and an extra seed filed beside the declared ones could be a picked one."""
+    declared: dict[tuple, tuple[set[int], Path, dict]] = {}
+    for path, sweep in sweeps:
+        for group in sweep.groups:
+            overrides = parse_set(group.set)[1]
+            for baseline in group.baselines:
+                for budget in group.budgets:
+                    key = (sweep.task, baseline, budget, canonical_json(overrides))
+                    declared.setdefault(key, (set(), path, overrides))[0].update(group.seeds)
+    runs = [r for r in records if r.kind == "run"]
+    problems, found = [], set()
+    for row in group_rows(runs):
+        first, overrides = row.first, row.first.config["overrides"]
+        key = (first.task.name, first.baseline, first.budget, canonical_json(overrides))
+        if key not in declared:
+            continue
+        found.add(key)
+        seeds, path, _ = declared[key]
+        filed = sorted(r.seed for r in row.records)
+        if filed != sorted(seeds):
+            problems.append(
+                f"{_run_name(*key[:3], overrides)} (task v{first.task.version}): seeds {filed} "
+                f"filed, {sorted(seeds)} declared by {path}"
+            )
+    tasks = {r.task.name for r in runs}
+    for key, (seeds, path, overrides) in declared.items():
+        if key[0] in tasks and key not in found:
+            problems.append(
+                f"{_run_name(*key[:3], overrides)}: seeds {sorted(seeds)} declared by {path}, "
+                "no record filed"
+            )
+    if problems:
+        raise UserError(
+            "the filed results are not the declared matrix (a record deleted or added by hand?); "
+            "run what is missing (`pflbench sweep --file ...`, then `pflbench submit`) or change "
+            "the sweep file:\n  " + "\n  ".join(problems)
+        )
 
 
 def plan_sweep_file(sweep: SweepFile, out_root: Path, run_args: tuple[str, ...] = ()):
