@@ -31,7 +31,9 @@ MAP = REPO / "results" / "paper" / TABLES_FILE
 # T = 0 columns (the starting model), ε-only lines and derived columns are not configurations.
 TABLE_ROWS = {
     ("001", "Table 1"): 0,  # speaker statistics
-    ("001", "Table 2"): 19,  # 002 Table 1's grid, earlier version
+    # 002 Table 1's grid, earlier version: seed; σ 30, 20, 10 (uniform, dim; no global number);
+    # 3, 1 (global, uniform, dim); no DP at C = 0.01 and 1.0 (global, per-layer); central
+    ("001", "Table 2"): 18,
     ("002", "Table 1"): 19,  # seed; σ 30, 20 (uniform, dim); 10, 3, 1 (global, uniform, dim);
     # no DP at C = 0.01 and 1.0 (global, per-layer); central (caption)
     ("002", "Table 2"): 0,  # speaker statistics
