@@ -25,7 +25,13 @@ from pflbench.dpsgd import ExampleDPSGD
 from pflbench.errors import UserError
 from pflbench.model.transformer import CTCTransformer, ModelConfig, build_model, ctc_losses
 from pflbench.privacy.clipping import layer_bounds
-from pflbench.privacy.example import EPSILON_TOLERANCE, example_epsilon, example_noise_multiplier
+from pflbench.privacy.example import (
+    EPSILON_TOLERANCE,
+    example_epsilon,
+    example_noise_multiplier,
+    example_statement,
+    sampling_rate,
+)
 from pflbench.privacy.example_optimizer import ExactClipDPOptimizer
 from pflbench.results.leaderboard import render_leaderboard
 from pflbench.results.rescore import DataOptions
@@ -489,6 +495,31 @@ def test_submit_refuses_a_tampered_epsilon(dp_run, specs_dir, data, tmp_path):  
     (copy_dir / "record.json").write_text(json.dumps(tampered))
     with pytest.raises(UserError, match="privacy.unit is 'user'"):
         submit(copy_dir, tmp_path / "other", registry, data=data)
+
+
+@pytest.mark.parametrize("field", ["population", "cohort"])
+def test_submit_refuses_a_claim_at_another_n_or_b(dp_run, specs_dir, data, tmp_path, field):  # noqa: F811
+    """A claim for more examples N (or a smaller expected batch B) than the data hold, made by
+    pflbench's own calibration and statement (so every ε in it is right for its N and B), passes
+    every check of the record alone; the training data refuse it."""
+    run_dir, config = dp_run
+    raw = json.loads((run_dir / "record.json").read_text())
+    simulated = raw["privacy"]["simulated"]
+    examples, batch, steps = simulated["population"], simulated["cohort"], simulated["steps"]
+    examples, batch = (examples * 2, batch) if field == "population" else (examples, batch - 1)
+    z = example_noise_multiplier(config.budget, sampling_rate(examples, batch), steps)
+    recipe = config.recipe
+    clipping = f"per layer, C_h by {recipe.privacy.perlayer_mode}"
+    forged = example_statement(
+        z, recipe.privacy.clip_bound, clipping, examples, batch, steps, config.budget
+    )
+    tampered = {**copy.deepcopy(raw), "privacy": forged}
+    tampered["record_id"] = compute_record_id(tampered)
+    copy_dir = tmp_path / "tampered"
+    shutil.copytree(run_dir, copy_dir)
+    (copy_dir / "record.json").write_text(json.dumps(tampered))
+    with pytest.raises(UserError, match=rf"privacy.simulated.{field} is .*, but the training data"):
+        submit(copy_dir, tmp_path / "results", load_registry([specs_dir]), data=data)
 
 
 def test_the_leaderboard_labels_the_epsilon_per_example(dp_run, specs_dir):  # noqa: F811

@@ -239,24 +239,14 @@ def prepare_task(
 ) -> TaskData:
     """Builds (or reuses) the feature store of every split the task uses."""
     with _preparing(task, data_root, cache_dir, progress) as (root, cache_dir, bars):
-        language = task.language
         sources = {"seed": task.seed_data, "federated": task.federated_data}
         stores: dict[str, FeatureStore] = {}
         notes: dict[str, dict] = {}  # not in the stores' reports: not part of their digests
         for name, source in sources.items():
-            if source is None:
-                continue
-            skips = Skips()
-            entries, info, notes[name] = source_manifest(root, source, language, skips)
-            if not entries:
-                raise UserError(f"task {task.name!r}: the {name} data has no usable utterances")
-            label = split_label(source.corpus, source.subsets, source.locale)
-            if source.user_split:
-                us = source.user_split
-                label += f"-users{us.percent:g}{us.part}s{us.seed}" + ("-iid" if source.iid else "")
-            stores[name] = prepare_split(
-                name, label, entries, info, skips, language, root, cache_dir, bars
-            )
+            if source is not None:
+                stores[name], notes[name] = _prepare_source(
+                    task, name, source, root, cache_dir, bars
+                )
         evals = _prepare_evals(task, root, cache_dir, bars)
     stores.update({f"eval:{name}": store for name, store in evals.eval_sets.items()})
     notes.update({f"eval:{name}": note for name, note in evals.notes.items()})
@@ -269,6 +259,31 @@ def prepare_task(
         report=report,
         eval_groups=evals.eval_groups,
     )
+
+
+def _prepare_source(
+    task: Task, name: str, source: DataSource, root: Path, cache_dir: Path, bars
+) -> tuple[FeatureStore, dict]:
+    """A training source's store and its split_notes."""
+    skips = Skips()
+    entries, info, notes = source_manifest(root, source, task.language, skips)
+    if not entries:
+        raise UserError(f"task {task.name!r}: the {name} data has no usable utterances")
+    label = split_label(source.corpus, source.subsets, source.locale)
+    if source.user_split:
+        us = source.user_split
+        label += f"-users{us.percent:g}{us.part}s{us.seed}" + ("-iid" if source.iid else "")
+    store = prepare_split(name, label, entries, info, skips, task.language, root, cache_dir, bars)
+    return store, notes
+
+
+def prepare_federated_data(
+    task: Task, data_root: Path | None = None, cache_dir: Path | None = None, progress: bool = True
+) -> FeatureStore:
+    """Builds (or reuses) the feature store of the task's federated training data alone: what
+    re-checking a record's population (users, or examples) needs."""
+    with _preparing(task, data_root, cache_dir, progress) as (root, cache_dir, bars):
+        return _prepare_source(task, "federated", task.federated_data, root, cache_dir, bars)[0]
 
 
 @dataclass

@@ -25,12 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pflbench.data.prepare import EvalData, prepare_eval_data
+from pflbench.data.prepare import EvalData, prepare_eval_data, prepare_federated_data
+from pflbench.data.store import FeatureStore
 from pflbench.errors import UserError
 from pflbench.evaluate import Transcript, eval_summary, score, with_groups
+from pflbench.privacy.example import expected_batch
 from pflbench.results.schema import EvalResult, ResultRecord
 from pflbench.rundir import HYPOTHESES_DIR, hypotheses_file, read_hypotheses
-from pflbench.spec.models import EvalSet, Task
+from pflbench.spec.models import EvalSet, RunConfig, Task
 
 
 @dataclass(frozen=True)
@@ -44,6 +46,9 @@ class DataOptions:
 
     def eval_data(self, task: Task) -> EvalData:
         return prepare_eval_data(task, self.data_root, self.cache_dir, self.progress)
+
+    def federated_data(self, task: Task) -> FeatureStore:
+        return prepare_federated_data(task, self.data_root, self.cache_dir, self.progress)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -144,8 +149,48 @@ def rescore_record(
                 )
 
 
-def rescore_run_dir(record: ResultRecord, task: Task, run_dir: Path, data: DataOptions) -> None:
-    """Re-score the record of a run directory from its hypotheses/ (what `submit` does)."""
+def check_training_data(
+    record: ResultRecord, config: RunConfig, store: FeatureStore, where: str
+) -> None:
+    """The privacy statement's scale is the training data's: the federated data here are those
+    the run trained on (`data.digests`), and the simulated population is their users (audit
+    canaries added) or, for example-level DP-SGD, their N utterances, with the expected batch
+    B = fine_tune.batch_seconds of their audio. `results validate` recomputes every ε from the
+    stated population; this ties that population to the data."""
+    digests = record.data.digests if record.data is not None else {}
+    if digests.get("federated_train") != store.digest:
+        raise UserError(
+            f"{where}: the federated training data here (data digest {store.digest}) are not the "
+            f"data the run trained on (data.digests['federated_train'] = "
+            f"{digests.get('federated_train')!r})"
+        )
+    simulated = record.privacy.simulated if record.privacy is not None else None
+    if simulated is None:  # central and seed-only runs state no scale
+        return
+    recipe = config.recipe
+    if recipe.training == "dpsgd-example":
+        seconds = [u.seconds for u in store]
+        schedule = recipe.fine_tune or recipe.central
+        expected = {"population": len(seconds)}
+        expected["cohort"] = expected_batch(seconds, schedule.batch_seconds)
+        what = "training examples (N) and the expected batch (B)"
+    else:
+        expected = {"population": len(store.users()) + (recipe.privacy.audit_canaries or 0)}
+        what = "users" + (" and audit canaries" if recipe.privacy.audit_canaries else "")
+    for field, value in expected.items():
+        if getattr(simulated, field) != value:
+            raise UserError(
+                f"{where}: privacy.simulated.{field} is {getattr(simulated, field)}, but the "
+                f"training data's {what} give {value}"
+            )
+
+
+def rescore_run_dir(
+    record: ResultRecord, config: RunConfig, run_dir: Path, data: DataOptions
+) -> None:
+    """Re-score the record of a run directory from its hypotheses/ and check its population
+    against the training data (what `submit` does)."""
     where = str(Path(run_dir) / "record.json")
     folder = Path(run_dir) / HYPOTHESES_DIR
-    rescore_record(record, task.eval_sets, folder, data.eval_data(task), where)
+    rescore_record(record, config.task.eval_sets, folder, data.eval_data(config.task), where)
+    check_training_data(record, config, data.federated_data(config.task), where)

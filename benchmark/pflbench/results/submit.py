@@ -588,8 +588,8 @@ def submit(
     duplicate = find_duplicate(record, dest.parent)
     if duplicate is not None:
         raise UserError(f"{record_file}: a duplicate of {duplicate} (same record or same config)")
-    task = check_config(record, raw, str(record_file)).task
-    rescore_run_dir(record, task, run_dir, data or DataOptions())
+    config = check_config(record, raw, str(record_file))
+    rescore_run_dir(record, config, run_dir, data or DataOptions())
     stamp_file = run_dir / VERIFICATION_FILE
     if stamp_file.is_file():
         check_stamp(load_stamp(stamp_file), record, str(stamp_file))

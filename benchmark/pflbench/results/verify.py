@@ -31,6 +31,7 @@ from pflbench import __version__
 from pflbench.central import set_cpu_threads
 from pflbench.checkpoint import load_model
 from pflbench.data.prepare import EvalData
+from pflbench.data.store import FeatureStore
 from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
 from pflbench.evaluate import eval_summary, evaluate_task
@@ -40,6 +41,7 @@ from pflbench.results.record import device_name
 from pflbench.results.rescore import (
     DataOptions,
     check_eval_data,
+    check_training_data,
     first_difference,
     rescore_record,
 )
@@ -252,20 +254,23 @@ class RecheckReport:
 
 def recheck_filed(files: list[tuple[Path, ResultRecord, dict]], data: DataOptions) -> RecheckReport:
     """Re-score filed records (`leaderboard.load_result_files`' triples) from their filed
-    hypotheses, and check each one's verification stamp where it has one; each task's eval data
-    are prepared once."""
+    hypotheses, check each one's population against the training data and its verification
+    stamp where it has one; each task's data are prepared once."""
     report = RecheckReport([], 0)
-    prepared: dict[str, EvalData] = {}
+    prepared: dict[str, tuple[EvalData, FeatureStore]] = {}
     for path, record, raw in files:
         if record.kind != "run":
             report.references += 1
             continue
-        task = check_config(record, raw, str(path)).task
+        config = check_config(record, raw, str(path))
+        task = config.task
         key = canonical_json(task.model_dump(mode="json"))
         if key not in prepared:
-            prepared[key] = data.eval_data(task)
+            prepared[key] = data.eval_data(task), data.federated_data(task)
+        eval_data, federated = prepared[key]
         folder = filed_dir(path)
-        rescore_record(record, task.eval_sets, folder / HYPOTHESES_DIR, prepared[key], str(path))
+        rescore_record(record, task.eval_sets, folder / HYPOTHESES_DIR, eval_data, str(path))
+        check_training_data(record, config, federated, str(path))
         check_filed_stamp(record, folder, str(path))
         report.rescored.append(path)
     return report
