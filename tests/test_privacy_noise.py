@@ -228,19 +228,27 @@ def test_exact_sum_partial_fp64_sums_stay_exact_at_their_largest():
     assert (total.terms_per_partial + 1) * largest_integer > 2**53  # runs as long as exact
 
 
-def test_exact_sum_keeps_fp64_updates_exact_and_refuses_them_in_narrow_scratch():
+def test_exact_sum_keeps_fp64_updates_exact():
+    """On a CPU the scratch is fp64 whatever the terms' dtype (fp32 terms are widened by a copy),
+    so an fp64 update is exact in a sum made like fp32 tensors too."""
     values = torch.tensor([1 / 3, -(2**-60), 0.5 + 2**-40], dtype=torch.float64)
-    total = ExactSum({"w": values}, max_abs=1.0, max_terms=4)
-    total.add({"w": values})
-    assert torch.equal(total.buffers()[0], _quantized_in_fp64(values, total.scale))
-    narrow = ExactSum({"w": torch.zeros(3)}, max_abs=1.0, max_terms=4)
+    for like in (values, values.float()):
+        total = ExactSum({"w": like}, max_abs=1.0, max_terms=4)
+        total.add({"w": values})
+        assert torch.equal(total.buffers()[0], _quantized_in_fp64(values, total.scale))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_exact_sum_refuses_fp64_updates_in_narrow_cuda_scratch():
+    values = torch.tensor([1 / 3, -(2**-60), 0.5 + 2**-40], dtype=torch.float64, device="cuda")
+    narrow = ExactSum({"w": values.float()}, max_abs=1.0, max_terms=4)
     with pytest.raises(ValueError, match="fp64 update"):
         narrow.add({"w": values})
 
 
 def test_an_update_lying_in_one_flat_buffer_sums_exactly_as_separate_tensors():
     """Δ as views of one buffer (fl.local_update) is scaled in place of being gathered: the same
-    integers. Views that are not back to back, or of another dtype, take the gather path."""
+    integers. Views that are not back to back take the gather path."""
     from pflbench.privacy.aggregate import _one_span
 
     users = clipped_users(7, clip_bound=0.5)
@@ -263,5 +271,5 @@ def test_an_update_lying_in_one_flat_buffer_sums_exactly_as_separate_tensors():
     shifted = [p.view(-1) for p in buffer[1:].split(sizes)]
     assert _one_span(shifted, like) is not None
     assert _one_span(shifted[::-1], like) is None  # out of order
-    assert _one_span([p.double() for p in shifted], like) is None
+    assert _one_span([p.double() for p in shifted], like) is None  # separate allocations
     assert _one_span(shifted[:-1], like) is None  # short of the sum's size
