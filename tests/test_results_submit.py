@@ -366,7 +366,7 @@ def test_hypotheses_must_cover_exactly_the_eval_sets_utterances(
 def test_eval_data_other_than_the_runs_are_refused(tmp_path, registry, data, dp_record):
     record = copy.deepcopy(dp_record)
     record["data"]["digests"]["cv-dev"] = "f" * 64  # the run evaluated other data
-    with pytest.raises(UserError, match="eval set 'cv-dev' here .* is not the data the run"):
+    with pytest.raises(UserError, match="'cv-dev' here .* is not the data the run used"):
         accept(write_run(tmp_path / "run", finalize(record)), tmp_path / "results", registry, data)
 
 
@@ -383,7 +383,7 @@ def test_a_population_other_than_the_datas_is_refused(tmp_path, registry, data, 
         accept(write_run(tmp_path / "run", record), tmp_path / "results", registry, data)
     record = copy.deepcopy(dp_record)
     record["data"]["digests"]["federated_train"] = "f" * 64
-    with pytest.raises(UserError, match="federated training data here .* not the data the run"):
+    with pytest.raises(UserError, match="'federated_train' here .* is not the data the run used"):
         accept(write_run(tmp_path / "run2", finalize(record)), tmp_path / "results", registry, data)
 
 

@@ -73,16 +73,22 @@ def first_difference(claimed: Any, fresh: Any, field: str) -> tuple[str, Any, An
 # Re-scoring
 
 
+def check_data_digest(record: ResultRecord, name: str, store: FeatureStore, where: str) -> None:
+    """The store here holds the data the run used under `name` (same manifest, normalizer,
+    tokens): its digest is the record's data.digests[name]."""
+    stated = record.data.digests.get(name) if record.data is not None else None
+    if stated != store.digest:
+        raise UserError(
+            f"{where}: {name!r} here (data digest {store.digest}) is not the data the run used "
+            f"(data.digests[{name!r}] = {stated!r}): the corpus, its version or pflbench's "
+            "normalizer differ"
+        )
+
+
 def check_eval_data(record: ResultRecord, data: EvalData, where: str) -> None:
-    """The eval sets here are the data the run evaluated (same manifest, normalizer, tokens)."""
-    digests = record.data.digests if record.data is not None else {}
+    """The eval sets here are the data the run evaluated."""
     for name, store in data.eval_sets.items():
-        if digests.get(name) != store.digest:
-            raise UserError(
-                f"{where}: eval set {name!r} here (data digest {store.digest}) is not the data the "
-                f"run evaluated (data.digests[{name!r}] = {digests.get(name)!r}): the corpus, its "
-                "version or pflbench's normalizer differ"
-            )
+        check_data_digest(record, name, store, where)
 
 
 def rescored(eval_set: EvalSet, data: EvalData, hypotheses: dict[str, str], where: str):
@@ -157,13 +163,7 @@ def check_training_data(
     canaries added) or, for example-level DP-SGD, their N utterances, with the expected batch
     B = fine_tune.batch_seconds of their audio. `results validate` recomputes every ε from the
     stated population; this ties that population to the data."""
-    digests = record.data.digests if record.data is not None else {}
-    if digests.get("federated_train") != store.digest:
-        raise UserError(
-            f"{where}: the federated training data here (data digest {store.digest}) are not the "
-            f"data the run trained on (data.digests['federated_train'] = "
-            f"{digests.get('federated_train')!r})"
-        )
+    check_data_digest(record, "federated_train", store, where)
     simulated = record.privacy.simulated if record.privacy is not None else None
     if simulated is None:  # central and seed-only runs state no scale
         return
