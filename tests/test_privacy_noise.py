@@ -238,6 +238,18 @@ def test_exact_sum_keeps_fp64_updates_exact():
         assert torch.equal(total.buffers()[0], _quantized_in_fp64(values, total.scale))
 
 
+def test_scratch_is_narrow_only_on_a_gpu_for_narrow_terms_and_an_fp32_scale():
+    from pflbench.privacy.aggregate import scratch_dtype
+
+    cuda, cpu, f32 = torch.device("cuda"), torch.device("cpu"), torch.float32
+    assert scratch_dtype([f32, torch.bfloat16], cuda, 2.0**40) == torch.float32
+    assert scratch_dtype([f32, torch.float64], cuda, 2.0**40) == torch.float64
+    assert scratch_dtype([f32], cpu, 2.0**40) == torch.float64
+    # max_abs·max_terms below 2^-66: the scale is beyond fp32's range, x·scale would be inf.
+    scale = ExactSum({"w": torch.zeros(3)}, max_abs=1e-30, max_terms=2**20).scale
+    assert scale > torch.finfo(f32).max and scratch_dtype([f32], cuda, scale) == torch.float64
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_exact_sum_refuses_fp64_updates_in_narrow_cuda_scratch():
     values = torch.tensor([1 / 3, -(2**-60), 0.5 + 2**-40], dtype=torch.float64, device="cuda")

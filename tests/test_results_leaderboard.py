@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import shutil
@@ -12,6 +13,7 @@ from typer.testing import CliRunner
 
 from pflbench.cli import app
 from pflbench.errors import UserError
+from pflbench.results.bench import synthetic_record
 from pflbench.results.leaderboard import (
     VERIFICATION_FILE,
     filed_dir,
@@ -21,8 +23,10 @@ from pflbench.results.leaderboard import (
     reevaluated_ids,
     render_leaderboard,
 )
-from pflbench.results.schema import schema_json
+from pflbench.results.schema import compute_record_id, schema_json
 from pflbench.spec.models import Budget
+from pflbench.spec.registry import load_registry
+from pflbench.spec.resolve import resolve
 
 REPO = Path(__file__).parents[1]
 GOLDEN = Path(__file__).parent / "fixtures" / "results" / "golden"
@@ -178,49 +182,88 @@ def test_cli_check_exits_nonzero_when_stale(tmp_path, monkeypatch):
     assert runner.invoke(app, ["leaderboard", "--check", *args]).exit_code == 1
 
 
+FX_SPECS = Path(__file__).parent / "fixtures" / "results" / "specs"
+
+
+def _file_run(root: Path, config: dict) -> Path:
+    """A run record of `config` (made-up WERs) filed where `submit` files it."""
+    record = synthetic_record(config, {"cv-dev": 0.3, "cv-test": 0.4}, "2026-03-01T00:00:00+00:00")
+    model = hashlib.sha256(record["config_hash"].encode()).hexdigest()  # one model per seed
+    record["outputs"] = {"final_model": model, "hypotheses": {}}
+    record["record_id"] = compute_record_id(record)
+    path = root / record["task"]["name"] / record["budget"] / f"{record['record_id']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record))
+    return path
+
+
 def test_a_declared_matrix_must_be_filed_whole(tmp_path):
-    """A sweep file beside results/ declares rows and their seeds: a deleted seed or row, or a
-    seed filed beside the declared ones, stops the leaderboard (and `results validate`)."""
-    root = copy_golden(tmp_path)
-    sweeps = tmp_path / "sweeps"  # found beside the results folder without --sweeps
+    """A sweep file beside results/ declares configurations and their seeds: a deleted seed or
+    row, or a seed filed beside the declared ones under any spelling of the configuration, stops
+    `leaderboard` and `results validate`; rows of an older task version are not held to it."""
+    registry = load_registry([FX_SPECS])
+    root, sweeps = tmp_path / "results", tmp_path / "sweeps"
     sweeps.mkdir()
-    declared = {
-        "task": "fx-task",
-        "groups": [
-            {"baselines": ["fedavg"], "budgets": ["fx-nodp"], "seeds": [0, 1, 2]},
-            {"baselines": ["perlayer-dim"], "budgets": ["fx-dp"], "seeds": [0, 1]},
-        ],
+    groups = [
+        {"baselines": ["fedavg"], "budgets": ["fx-nodp"], "seeds": [0, 1, 2]},
+        {"baselines": ["fedavg"], "budgets": ["fx-nodp"], "set": ["federated.cohort_size=4"]},
+    ]
+    (sweeps / "fx.yaml").write_text(json.dumps({"task": "fx-task", "groups": groups}))
+    files = {
+        (seed, sets): _file_run(
+            root,
+            resolve(registry, "fx-task", "fedavg", "fx-nodp", seed, list(sets)).model_dump(
+                mode="json"
+            ),
+        )
+        for seed, sets in [(0, ()), (1, ()), (2, ()), (0, ("federated.cohort_size=4",))]
     }
-    sweep_file = sweeps / "fx-task.yaml"
-    args = ["leaderboard", "--results", str(root), "--output", str(tmp_path / "lb.md")]
-    args += ["--figures", str(tmp_path / "figures")]
 
-    def refusal(sweep: dict) -> str:
-        sweep_file.write_text(json.dumps(sweep))
-        result = CliRunner().invoke(app, args)
-        if result.exit_code == 0:
+    def refusal() -> str:
+        """'' where `leaderboard` accepts the matrix; else its refusal, which `results validate`
+        repeats (the made-up records would fail validate's other checks)."""
+        args = ["--results", str(root), "--specs", str(FX_SPECS)]
+        board = CliRunner().invoke(app, ["leaderboard", "--output", str(tmp_path / "lb.md"), *args])
+        if board.exit_code == 0:
             return ""
-        assert "not the declared matrix" in str(result.exception), result.output
-        return str(result.exception)
+        validate = CliRunner().invoke(app, ["results", "validate", *args])
+        for result in (board, validate):
+            assert isinstance(result.exception, UserError), result.output
+            assert "not the declared matrix" in str(result.exception), result.exception
+        assert str(validate.exception) == str(board.exception)
+        return str(board.exception)
 
-    assert refusal(declared) == ""
-    three = {**declared["groups"][0], "seeds": [0, 1, 2, 3]}
-    assert "fedavg @ fx-nodp (task v2): seeds [0, 1, 2] filed, [0, 1, 2, 3] declared" in refusal(
-        {**declared, "groups": [three, declared["groups"][1]]}
+    assert refusal() == ""  # the matrix as filed
+    # The same configuration under another spelling of its override, with a picked seed.
+    picked = resolve(registry, "fx-task", "fedavg", "fx-nodp", 7, ["federated.cohort_size=+4"])
+    extra = _file_run(root, picked.model_dump(mode="json"))
+    assert "fedavg @ fx-nodp --set federated.cohort_size=4: seeds [0, 7] filed, [0] declared" in (
+        refusal()
     )
-    one = {**declared["groups"][1], "seeds": [0]}
-    assert "perlayer-dim @ fx-dp (task v2): seeds [0, 1] filed, [0] declared" in refusal(
-        {**declared, "groups": [declared["groups"][0], one]}
+    extra.unlink()
+    files[(1, ())].unlink()  # a deleted seed
+    assert "fx-task v2 fedavg @ fx-nodp: seeds [0, 2] filed, [0, 1, 2] declared by" in refusal()
+    # An older task version's row (seeds 0 and 1) does not stand in for today's, nor is it held
+    # to today's sweep file.
+    for seed in (0, 1):
+        old = resolve(registry, "fx-task", "fedavg", "fx-nodp", seed, []).model_dump(mode="json")
+        old["task"]["version"] = 1
+        _file_run(root, old)
+    assert "seeds [0, 2] filed, [0, 1, 2] declared" in refusal()
+    for sets in [(), ("federated.cohort_size=4",)]:
+        for seed in (0, 2):
+            files.pop((seed, sets), Path("/nonexistent")).unlink(missing_ok=True)
+    text = refusal()  # only the old version's rows are left
+    assert "fedavg @ fx-nodp: seeds none filed" in text and "cohort_size=4: seeds none" in text
+    # The check cannot be switched off by a misnamed file or folder.
+    (sweeps / "more.yml").write_text("task: fx-task\n")
+    result = CliRunner().invoke(
+        app, ["leaderboard", "--results", str(root), "--specs", str(FX_SPECS)]
     )
-    unrun = {"baselines": ["fedprox"], "budgets": ["fx-dp"], "set": ["federated.cohort_size=8"]}
-    assert "fedprox @ fx-dp --set federated.cohort_size=8: seeds [0] declared by" in refusal(
-        {**declared, "groups": [*declared["groups"], unrun]}
-    )
-    sweep_file.write_text(json.dumps(declared))
-    (root / "fx-task" / "fx-nodp" / "6563d74ffcf4a692.json").unlink()  # fedavg seed 1
-    assert "fedavg @ fx-nodp (task v2): seeds [0, 2] filed, [0, 1, 2] declared" in refusal(declared)
-    # Another task's matrix is checked only where that task has records.
-    assert refusal({**declared, "task": "fx-other"}) == ""
+    assert "more.yml: a sweep file's name must end in .yaml" in str(result.exception)
+    args = ["leaderboard", "--results", str(root), "--sweeps", str(tmp_path / "sweep")]
+    result = CliRunner().invoke(app, args)
+    assert "sweep: no folder of sweep files" in str(result.exception)
 
 
 # ----------------------------------------------------------------------------------------------

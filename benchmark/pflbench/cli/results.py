@@ -40,10 +40,14 @@ def _registry(specs: list[Path] | None, plugins: list[str] | None = None):
     return load_specs(specs, plugins)
 
 
-def _check_declared(records, results: Path, sweeps: Path | None) -> None:
+def _check_declared(records, results: Path, sweeps: Path | None, registry) -> None:
+    """The declared matrices are filed whole (results.sweep.check_declared_seeds): those of
+    --sweeps, or of sweeps/ beside the results folder where there is one."""
     from pflbench.results.sweep import check_declared_seeds, load_sweep_folder
 
-    check_declared_seeds(records, load_sweep_folder(sweeps or Path(results).parent / "sweeps"))
+    folder = sweeps or Path(results).parent / "sweeps"
+    if sweeps is not None or folder.is_dir():
+        check_declared_seeds(records, load_sweep_folder(folder), registry)
 
 
 def _split(text: str, what: str) -> list[str]:
@@ -198,7 +202,7 @@ def register(app: typer.Typer) -> None:
         registry = _registry(specs)
         files = load_result_files(results)
         records = [record for _, record, _ in files]
-        _check_declared(records, results, sweeps)
+        _check_declared(records, results, sweeps, registry)
         budgets, declared = _figure_specs(registry)
         drawn, _ = all_result_figures(records, budgets, declared)
         links = figure_links(drawn, Path(os.path.relpath(figures, output.parent)).as_posix())
@@ -384,11 +388,11 @@ def register(app: typer.Typer) -> None:
 
         registry = _registry(specs)
         found = load_result_files(results)
+        _check_declared([record for _, record, _ in found], results, sweeps, registry)
         stale = 0
         for path, record, raw in found:
             if record.kind == "run":
                 stale += validate_record(record, raw, registry, str(path), stale_ok=True)
-        _check_declared([record for _, record, _ in found], results, sweeps)
         console.print(f"{len(found)} records valid ({stale} stale)", highlight=False)
 
     @group.command("rescore")

@@ -56,15 +56,8 @@ class ExactSum:
         self.terms_per_partial = max(1, 2**FP64_EXACT_BITS // largest_integer)
         self._partial = torch.zeros(total, dtype=torch.float64, device=device)
         self._partial_terms = 0
-        # Scaling by a power of two is exact in fp32 as in fp64 (|x|·scale < 2^62 cannot
-        # overflow, and a product small enough to be subnormal rounds to 0 either way), and so is
-        # rounding to an integer: fp32 scratch quantizes bf16/fp16/fp32 terms exactly as fp64
-        # would, at half the memory traffic. fp64 terms need fp64 scratch. On a CPU the term is
-        # widened first (a vectorized copy) into fp64 scratch: torch's CPU add of fp32 into fp64
-        # takes a scalar casting loop, ~2x the time of the copy and an fp64 add together.
-        wide = any(t.dtype == torch.float64 for t in like.values()) or device.type == "cpu"
-        self._scaled = torch.empty(total, dtype=torch.float64 if wide else torch.float32,
-                                   device=device)  # fmt: skip
+        dtype = scratch_dtype([t.dtype for t in like.values()], device, self.scale)
+        self._scaled = torch.empty(total, dtype=dtype, device=device)
 
     def add(self, update: dict[str, Tensor], largest: float | None = None) -> None:
         """Add one term. `largest`: a proven bound on its elements (the privacy steps derive one
@@ -122,6 +115,22 @@ class ExactSum:
             name: piece.view(shape)
             for name, piece, shape in zip(self._names, pieces, self._shapes, strict=True)
         }
+
+
+def scratch_dtype(dtypes: list[torch.dtype], device: torch.device, scale: float) -> torch.dtype:
+    """The dtype a term is quantized in. Scaling by a power of two is exact in fp32 as in fp64
+    (|x|·scale < 2^62 cannot overflow, and a product small enough to be subnormal rounds to 0
+    either way), and so is rounding to an integer: fp32 scratch quantizes bf16/fp16/fp32 terms
+    exactly as fp64 would, at half the memory traffic, where the scale itself is an fp32 number.
+    fp64 terms need fp64 scratch. On a CPU the term is widened first (a vectorized copy) into
+    fp64 scratch: torch's CPU add of fp32 into fp64 takes a scalar casting loop, ~2x the time of
+    the copy and an fp64 add together."""
+    wide = (
+        torch.float64 in dtypes
+        or device.type == "cpu"
+        or scale > torch.finfo(torch.float32).max  # a tiny max_abs·max_terms
+    )
+    return torch.float64 if wide else torch.float32
 
 
 def _one_span(tensors: list[Tensor], like: Tensor) -> Tensor | None:

@@ -26,9 +26,8 @@ from typing import Any
 from pflbench.errors import UserError
 from pflbench.results.rescore import first_difference
 from pflbench.results.schema import ResultRecord, load_record
-from pflbench.results.submit import current_config
+from pflbench.results.submit import what_ran
 from pflbench.results.sweep import PlannedRun
-from pflbench.spec.models import RunConfig
 
 RERUN_TOLERANCE = 0.03  # |pooled WER re-run − recorded| on another setup (3 points ≈ 2 seed SDs)
 
@@ -115,16 +114,9 @@ class Comparison:
     wer: dict[str, tuple[float, float]]  # eval set -> (recorded, re-run)
 
 
-def what_ran(record: ResultRecord) -> dict:
-    """The task and recipe a record's config ran (older configs read as the code ran them then:
-    submit.current_config), seed included; the baseline's own text may be reworded."""
-    config = RunConfig.model_validate(current_config(record.config or {}))
-    return config.model_dump(mode="json", include={"task", "recipe", "seed"})
-
-
 def compare_rerun(filed: ResultRecord, fresh: ResultRecord, where: str) -> Comparison:
     """The re-run's record against the filed one (module docstring); raises on a mismatch."""
-    ran = first_difference(what_ran(filed), what_ran(fresh), "config")
+    ran = first_difference(what_ran(filed.config or {}), what_ran(fresh.config or {}), "config")
     if ran is not None:
         field, stored, resolved = ran
         raise UserError(

@@ -112,6 +112,14 @@ def current_config(stored: dict) -> dict:
     return config
 
 
+def what_ran(stored: dict) -> dict:
+    """The task and recipe a stored config ran (older configs read as the code ran them then:
+    current_config), seed included; the baseline's own text and the spelling of its --set
+    overrides may differ between configs that ran the same."""
+    config = RunConfig.model_validate(current_config(stored))
+    return config.model_dump(mode="json", include={"task", "recipe", "seed"})
+
+
 def check_config(record: ResultRecord, raw: dict, where: str) -> RunConfig:
     """The stored config parses, its hash is the claimed one, and it names what the record says."""
     try:

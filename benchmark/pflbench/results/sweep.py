@@ -22,11 +22,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pflbench.errors import UserError
-from pflbench.results.leaderboard import group_rows
 from pflbench.results.plots import PlotReport, plot_results, plot_run
 from pflbench.results.schema import ResultRecord, load_record
+from pflbench.results.submit import what_ran
 from pflbench.spec.names import safe_name
-from pflbench.spec.resolve import canonical_json, parse_set
+from pflbench.spec.registry import Registry
+from pflbench.spec.resolve import canonical_json, resolve
 
 
 @dataclass(frozen=True)
@@ -95,57 +96,61 @@ def load_sweep_file(path: Path) -> SweepFile:
 
 
 def load_sweep_folder(folder: Path) -> list[tuple[Path, SweepFile]]:
-    """Every sweeps/*.yaml; no folder, no declared matrix."""
+    """Every sweep file of the folder (*.yaml; another YAML extension is refused, not skipped)."""
     folder = Path(folder)
-    paths = sorted(folder.glob("*.yaml")) if folder.is_dir() else []
-    return [(path, load_sweep_file(path)) for path in paths]
+    if not folder.is_dir():
+        raise UserError(f"{folder}: no folder of sweep files")
+    odd = sorted(p for p in folder.iterdir() if p.suffix in (".yml", ".YAML", ".YML"))
+    if odd:
+        raise UserError(f"{odd[0]}: a sweep file's name must end in .yaml")
+    return [(path, load_sweep_file(path)) for path in sorted(folder.glob("*.yaml"))]
 
 
-def _run_name(task: str, baseline: str, budget: str, overrides: dict) -> str:
-    sets = "".join(f" --set {key}={value}" for key, value in overrides.items())
-    return f"{task} {baseline} @ {budget}{sets}"
+def _matrix_key(config: dict) -> str:
+    """What a run ran, its seed aside: task (with version) and recipe (submit.what_ran), budget
+    and baseline names. Two spellings of one --set override, or a reworded baseline, are one
+    configuration here, as they are for `submit`."""
+    ran = what_ran(config)
+    del ran["seed"]
+    names = (config.get("budget") or {}).get("name"), (config.get("baseline") or {}).get("name")
+    return canonical_json([ran, *names])
 
 
-def check_declared_seeds(records: list[ResultRecord], sweeps: list[tuple[Path, SweepFile]]) -> None:
-    """The filed results of a declared matrix are the whole matrix: for each task with run records,
-    every configuration a sweep file declares (baseline, budget, --set) has a row, and each of its
-    rows holds exactly the declared seeds. A deleted seed (or row) would otherwise move a row's
-    mean unseen, and an extra seed filed beside the declared ones could be a picked one."""
-    declared: dict[tuple, tuple[set[int], Path, dict]] = {}
+def check_declared_seeds(
+    records: list[ResultRecord], sweeps: list[tuple[Path, SweepFile]], registry: Registry
+) -> None:
+    """The filed results are the declared matrices, whole: every configuration a sweep file
+    declares (resolved with today's specs, so at the task's current version) has exactly the
+    declared seeds filed. A deleted seed or row would otherwise move what the leaderboard shows
+    unseen, and a seed filed beside the declared ones (under any spelling of the configuration)
+    could be a picked one. Rows of older task versions are not held to today's sweep files."""
+    declared: dict[str, tuple[str, set[int], list[Path]]] = {}
     for path, sweep in sweeps:
         for group in sweep.groups:
-            overrides = parse_set(group.set)[1]
+            sets = "".join(f" --set {item}" for item in group.set)
             for baseline in group.baselines:
                 for budget in group.budgets:
-                    key = (sweep.task, baseline, budget, canonical_json(overrides))
-                    declared.setdefault(key, (set(), path, overrides))[0].update(group.seeds)
-    runs = [r for r in records if r.kind == "run"]
-    problems, found = [], set()
-    for row in group_rows(runs):
-        first, overrides = row.first, row.first.config["overrides"]
-        key = (first.task.name, first.baseline, first.budget, canonical_json(overrides))
-        if key not in declared:
-            continue
-        found.add(key)
-        seeds, path, _ = declared[key]
-        filed = sorted(r.seed for r in row.records)
-        if filed != sorted(seeds):
-            problems.append(
-                f"{_run_name(*key[:3], overrides)} (task v{first.task.version}): seeds {filed} "
-                f"filed, {sorted(seeds)} declared by {path}"
-            )
-    tasks = {r.task.name for r in runs}
-    for key, (seeds, path, overrides) in declared.items():
-        if key[0] in tasks and key not in found:
-            problems.append(
-                f"{_run_name(*key[:3], overrides)}: seeds {sorted(seeds)} declared by {path}, "
-                "no record filed"
-            )
+                    config = resolve(registry, sweep.task, baseline, budget, 0, group.set)
+                    name = f"{sweep.task} v{config.task.version} {baseline} @ {budget}{sets}"
+                    key = _matrix_key(config.model_dump(mode="json"))
+                    _, seeds, paths = declared.setdefault(key, (name, set(), []))
+                    seeds.update(group.seeds)
+                    paths.extend([path] if path not in paths else [])
+    filed: dict[str, list[int]] = {}
+    for record in records:
+        if record.kind == "run" and record.config is not None:
+            filed.setdefault(_matrix_key(record.config), []).append(record.seed)
+    problems = [
+        f"{name}: seeds {sorted(filed.get(key, [])) or 'none'} filed, {sorted(seeds)} declared by "
+        + ", ".join(map(str, paths))
+        for key, (name, seeds, paths) in declared.items()
+        if sorted(filed.get(key, [])) != sorted(seeds)
+    ]
     if problems:
         raise UserError(
-            "the filed results are not the declared matrix (a record deleted or added by hand?); "
-            "run what is missing (`pflbench sweep --file ...`, then `pflbench submit`) or change "
-            "the sweep file:\n  " + "\n  ".join(problems)
+            "the filed results are not the declared matrix (a record deleted or added by hand, or "
+            "a task version without its re-run?); run what is missing (`pflbench sweep --file "
+            "...`, then `pflbench submit`) or change the sweep file:\n  " + "\n  ".join(problems)
         )
 
 
