@@ -18,6 +18,7 @@ from test_run import TASK, specs_dir  # noqa: F401  (fixture)
 
 from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
+from pflbench.privacy.run import privacy_claim
 from pflbench.results.leaderboard import load_result_files, reevaluated_ids, render_leaderboard
 from pflbench.results.rescore import DataOptions, rescored
 from pflbench.results.schema import compute_record_id, load_record
@@ -25,6 +26,7 @@ from pflbench.results.submit import submit
 from pflbench.results.verify import TOLERANCE, EvalFigures, check_figures, recheck_filed, verify_run
 from pflbench.rundir import HYPOTHESES_DIR, hypotheses_file, read_hypotheses, write_hypotheses
 from pflbench.runner import RunOptions, run
+from pflbench.spec.models import RunConfig
 from pflbench.spec.registry import load_registry
 from pflbench.spec.resolve import resolve
 
@@ -227,6 +229,26 @@ def test_verify_passes_on_the_honest_run_and_its_stamp_is_filed(
     edited["eval"]["cv-dev"]["wer"] /= 2
     stamp_file.write_text(json.dumps(edited))
     with pytest.raises(UserError, match=r"verification.json .*metrics.final.cv-dev.wer"):
+        recheck_filed(load_result_files(tmp_path / "results"), data)
+
+
+def test_ci_refuses_a_filed_record_whose_population_is_not_its_datas(
+    honest_run, tmp_path, registry, data
+):
+    """A filed record re-stated for 10x its users by pflbench's own statement (every ε right for
+    that population; id recomputed, filed under it): `results rescore` checks the population
+    against the training data."""
+    accepted = submit(copy_run(honest_run, tmp_path), tmp_path / "results", registry, data=data)
+    raw = json.loads(accepted.path.read_text())
+    config = RunConfig.model_validate(raw["config"])
+    users = raw["privacy"]["simulated"]["population"]
+    raw["privacy"] = privacy_claim(config, raw["privacy"]["sigma_dp"], 10 * users)
+    raw["record_id"] = compute_record_id(raw)
+    forged = accepted.path.with_name(f"{raw['record_id']}.json")
+    accepted.path.with_suffix("").rename(forged.with_suffix(""))
+    accepted.path.unlink()
+    forged.write_text(json.dumps(raw))
+    with pytest.raises(UserError, match=f"simulated.population is {10 * users}, .* give {users}"):
         recheck_filed(load_result_files(tmp_path / "results"), data)
 
 

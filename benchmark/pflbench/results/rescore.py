@@ -155,6 +155,12 @@ def rescore_record(
                 )
 
 
+def states_population(record: ResultRecord) -> bool:
+    """Whether the record's privacy statement has a scale (federated and DP-SGD runs; not central
+    or seed-only ones): what check_training_data checks."""
+    return record.privacy is not None and record.privacy.simulated is not None
+
+
 def check_training_data(
     record: ResultRecord, config: RunConfig, store: FeatureStore, where: str
 ) -> None:
@@ -164,9 +170,7 @@ def check_training_data(
     B = fine_tune.batch_seconds of their audio. `results validate` recomputes every ε from the
     stated population; this ties that population to the data."""
     check_data_digest(record, "federated_train", store, where)
-    simulated = record.privacy.simulated if record.privacy is not None else None
-    if simulated is None:  # central and seed-only runs state no scale
-        return
+    simulated = record.privacy.simulated
     recipe = config.recipe
     if recipe.training == "dpsgd-example":
         seconds = [u.seconds for u in store]
@@ -193,4 +197,5 @@ def rescore_run_dir(
     where = str(Path(run_dir) / "record.json")
     folder = Path(run_dir) / HYPOTHESES_DIR
     rescore_record(record, config.task.eval_sets, folder, data.eval_data(config.task), where)
-    check_training_data(record, config, data.federated_data(config.task), where)
+    if states_population(record):
+        check_training_data(record, config, data.federated_data(config.task), where)

@@ -44,6 +44,7 @@ from pflbench.results.rescore import (
     check_training_data,
     first_difference,
     rescore_record,
+    states_population,
 )
 from pflbench.results.schema import (
     RECORD_ID_PATTERN,
@@ -257,7 +258,8 @@ def recheck_filed(files: list[tuple[Path, ResultRecord, dict]], data: DataOption
     hypotheses, check each one's population against the training data and its verification
     stamp where it has one; each task's data are prepared once."""
     report = RecheckReport([], 0)
-    prepared: dict[str, tuple[EvalData, FeatureStore]] = {}
+    evals: dict[str, EvalData] = {}
+    federated: dict[str, FeatureStore] = {}  # prepared only where a record states a population
     for path, record, raw in files:
         if record.kind != "run":
             report.references += 1
@@ -265,12 +267,14 @@ def recheck_filed(files: list[tuple[Path, ResultRecord, dict]], data: DataOption
         config = check_config(record, raw, str(path))
         task = config.task
         key = canonical_json(task.model_dump(mode="json"))
-        if key not in prepared:
-            prepared[key] = data.eval_data(task), data.federated_data(task)
-        eval_data, federated = prepared[key]
+        if key not in evals:
+            evals[key] = data.eval_data(task)
         folder = filed_dir(path)
-        rescore_record(record, task.eval_sets, folder / HYPOTHESES_DIR, eval_data, str(path))
-        check_training_data(record, config, federated, str(path))
+        rescore_record(record, task.eval_sets, folder / HYPOTHESES_DIR, evals[key], str(path))
+        if states_population(record):
+            if key not in federated:
+                federated[key] = data.federated_data(task)
+            check_training_data(record, config, federated[key], str(path))
         check_filed_stamp(record, folder, str(path))
         report.rescored.append(path)
     return report
