@@ -26,7 +26,7 @@ from pflbench.results.leaderboard import (
 from pflbench.results.schema import compute_record_id, schema_json
 from pflbench.spec.models import Budget
 from pflbench.spec.registry import load_registry
-from pflbench.spec.resolve import resolve
+from pflbench.spec.resolve import config_json_hash, resolve
 
 REPO = Path(__file__).parents[1]
 GOLDEN = Path(__file__).parent / "fixtures" / "results" / "golden"
@@ -240,6 +240,7 @@ def test_a_declared_matrix_must_be_filed_whole(tmp_path):
     assert "fedavg @ fx-nodp --set federated.cohort_size=4: seeds [0, 7] filed, [0] declared" in (
         refusal()
     )
+    extra_text = extra.read_text()
     extra.unlink()
     files[(1, ())].unlink()  # a deleted seed
     assert "fx-task v2 fedavg @ fx-nodp: seeds [0, 2] filed, [0, 1, 2] declared by" in refusal()
@@ -255,6 +256,21 @@ def test_a_declared_matrix_must_be_filed_whole(tmp_path):
             files.pop((seed, sets), Path("/nonexistent")).unlink(missing_ok=True)
     text = refusal()  # only the old version's rows are left
     assert "fedavg @ fx-nodp: seeds none filed" in text and "cohort_size=4: seeds none" in text
+    # A config pflbench cannot read is named, not a traceback.
+    broken = json.loads(extra_text)
+    broken["config"]["recipe"]["federated"]["cohort_size"] = "many"
+    broken["config_hash"] = config_json_hash(broken["config"])
+    broken["record_id"] = compute_record_id(broken)
+    broken_file = extra.with_name(f"{broken['record_id']}.json")
+    broken_file.write_text(json.dumps(broken))
+    for command in (["leaderboard"], ["results", "validate"]):
+        result = CliRunner().invoke(
+            app, [*command, "--results", str(root), "--specs", str(FX_SPECS)]
+        )
+        message = str(result.exception)
+        assert f"record {broken['record_id']} (fx-task, fx-nodp): config: invalid spec" in message
+        assert "cohort_size: Input should be a valid integer" in message
+    broken_file.unlink()
     # The check cannot be switched off by a misnamed file or folder.
     (sweeps / "more.yml").write_text("task: fx-task\n")
     result = CliRunner().invoke(

@@ -112,11 +112,14 @@ def current_config(stored: dict) -> dict:
     return config
 
 
-def what_ran(stored: dict) -> dict:
+def what_ran(stored: dict, where: str = "config") -> dict:
     """The task and recipe a stored config ran (older configs read as the code ran them then:
     current_config), seed included; the baseline's own text and the spelling of its --set
     overrides may differ between configs that ran the same."""
-    config = RunConfig.model_validate(current_config(stored))
+    try:
+        config = RunConfig.model_validate(current_config(stored))
+    except ValidationError as exc:
+        raise UserError(format_validation_error(where, exc)) from None
     return config.model_dump(mode="json", include={"task", "recipe", "seed"})
 
 

@@ -106,11 +106,11 @@ def load_sweep_folder(folder: Path) -> list[tuple[Path, SweepFile]]:
     return [(path, load_sweep_file(path)) for path in sorted(folder.glob("*.yaml"))]
 
 
-def _matrix_key(config: dict) -> str:
+def _matrix_key(config: dict, where: str) -> str:
     """What a run ran, its seed aside: task (with version) and recipe (submit.what_ran), budget
     and baseline names. Two spellings of one --set override, or a reworded baseline, are one
     configuration here, as they are for `submit`."""
-    ran = what_ran(config)
+    ran = what_ran(config, where)
     del ran["seed"]
     names = (config.get("budget") or {}).get("name"), (config.get("baseline") or {}).get("name")
     return canonical_json([ran, *names])
@@ -132,14 +132,15 @@ def check_declared_seeds(
                 for budget in group.budgets:
                     config = resolve(registry, sweep.task, baseline, budget, 0, group.set)
                     name = f"{sweep.task} v{config.task.version} {baseline} @ {budget}{sets}"
-                    key = _matrix_key(config.model_dump(mode="json"))
+                    key = _matrix_key(config.model_dump(mode="json"), str(path))
                     _, seeds, paths = declared.setdefault(key, (name, set(), []))
                     seeds.update(group.seeds)
                     paths.extend([path] if path not in paths else [])
     filed: dict[str, list[int]] = {}
     for record in records:
         if record.kind == "run" and record.config is not None:
-            filed.setdefault(_matrix_key(record.config), []).append(record.seed)
+            where = f"record {record.record_id} ({record.task.name}, {record.budget}): config"
+            filed.setdefault(_matrix_key(record.config, where), []).append(record.seed)
     problems = [
         f"{name}: seeds {sorted(filed.get(key, [])) or 'none'} filed, {sorted(seeds)} declared by "
         + ", ".join(map(str, paths))
