@@ -111,6 +111,7 @@ def test_task_data_stores(tiny_task_data, tiny_corpus_root: Path) -> None:
     assert abs(len(u.feats) - u.seconds * 100) <= 2
     assert tiny_task_data.tokenizer.decode(u.tokens.tolist()) == u.text
     assert [x.user_id for x in fed] == sorted(x.user_id for x in fed)
+    assert fed.utterance_seconds() == [x.seconds for x in fed]  # read without the features
     seed = tiny_task_data.seed_train
     assert all(len(s) == 3 for s in seed.users())  # LibriSpeech user = speaker id
     assert set(tiny_task_data.eval_sets) == {"cv-dev", "cv-test", "ls-dev-clean"}

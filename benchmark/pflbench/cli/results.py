@@ -471,13 +471,17 @@ def register(app: typer.Typer) -> None:
         if bool(record_ids) == bool(sample):
             raise UserError("give record ids or --sample N, not both and not neither")
         filed = {path.stem: (path, record) for path, record, _ in load_result_files(results)}
+        cuda = torch.cuda.is_available()
         if record_ids:
             unknown = [rid for rid in record_ids if rid not in filed]
             if unknown:
                 raise UserError(f"{', '.join(unknown)}: no record with this id in {results}")
             chosen = [filed[rid] for rid in record_ids]
+            for path, record in chosen:
+                why = why_not_rerunnable(record, cuda)
+                if why is not None:
+                    raise UserError(f"{path}: cannot be re-run here: {why}")
         else:
-            cuda = torch.cuda.is_available()
             candidates = [
                 item for item in filed.values() if why_not_rerunnable(item[1], cuda) is None
             ]
@@ -490,9 +494,6 @@ def register(app: typer.Typer) -> None:
             passthrough += ["--data-root", str(data_root)]
         plans = []
         for path, record in chosen:
-            why = why_not_rerunnable(record, torch.cuda.is_available())
-            if why is not None:
-                raise UserError(f"{path}: cannot be re-run here: {why}")
             plan = rerun_plan(record, path, out, tuple(passthrough))
             if plan.run_dir.exists():
                 raise UserError(f"{plan.run_dir}: exists (an earlier re-run?); remove it first")

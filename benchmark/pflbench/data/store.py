@@ -293,6 +293,14 @@ class FeatureStore:
             columns = [rows.column(c).to_pylist() for c in ("utt_id", "user_id", "text")]
             yield from zip(*columns, strict=True)
 
+    def utterance_seconds(self) -> list[float]:
+        """Every utterance's duration, in iteration order, without reading features."""
+        return [
+            seconds
+            for shard, offset, count, _ in self._users.values()
+            for seconds in self._table(shard).slice(offset, count).column("seconds").to_pylist()
+        ]
+
     def __len__(self) -> int:
         return self._len
 

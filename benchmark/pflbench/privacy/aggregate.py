@@ -78,13 +78,13 @@ class ExactSum:
                 )
         # Quantize: x·scale (exact: a power of two), rounded half to even.
         span = _one_span(tensors, self._scaled)
-        if span is not None and span.dtype == self._scaled.dtype:  # one pass fewer: no gather
+        if span is None:  # separate tensors: gathered (and widened) first
+            torch.cat([t.reshape(-1) for t in tensors], out=self._scaled)
+            self._scaled.mul_(self.scale)
+        elif span.dtype == self._scaled.dtype:  # one pass fewer: no gather
             torch.mul(span, self.scale, out=self._scaled)
-        else:
-            if span is not None:  # widened by a copy (see __init__)
-                self._scaled.copy_(span)
-            else:
-                torch.cat([t.reshape(-1) for t in tensors], out=self._scaled)
+        else:  # widened by a vectorized copy (scratch_dtype)
+            self._scaled.copy_(span)
             self._scaled.mul_(self.scale)
         self._scaled.round_()
         if self._partial_terms == self.terms_per_partial:

@@ -173,7 +173,7 @@ def check_training_data(
     simulated = record.privacy.simulated
     recipe = config.recipe
     if recipe.training == "dpsgd-example":
-        seconds = [u.seconds for u in store]
+        seconds = store.utterance_seconds()  # the runner's [u.seconds for u in store]
         schedule = recipe.fine_tune or recipe.central
         expected = {"population": len(seconds)}
         expected["cohort"] = expected_batch(seconds, schedule.batch_seconds)

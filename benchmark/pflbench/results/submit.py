@@ -112,23 +112,25 @@ def current_config(stored: dict) -> dict:
     return config
 
 
+def parse_config(stored: dict, where: str) -> RunConfig:
+    """A stored config as today's RunConfig (current_config), or a UserError naming `where`."""
+    try:
+        return RunConfig.model_validate(current_config(stored))
+    except ValidationError as exc:
+        raise UserError(format_validation_error(where, exc)) from None
+
+
 def what_ran(stored: dict, where: str = "config") -> dict:
     """The task and recipe a stored config ran (older configs read as the code ran them then:
     current_config), seed included; the baseline's own text and the spelling of its --set
     overrides may differ between configs that ran the same."""
-    try:
-        config = RunConfig.model_validate(current_config(stored))
-    except ValidationError as exc:
-        raise UserError(format_validation_error(where, exc)) from None
+    config = parse_config(stored, where)
     return config.model_dump(mode="json", include={"task", "recipe", "seed"})
 
 
 def check_config(record: ResultRecord, raw: dict, where: str) -> RunConfig:
     """The stored config parses, its hash is the claimed one, and it names what the record says."""
-    try:
-        config = RunConfig.model_validate(current_config(raw["config"]))
-    except ValidationError as exc:
-        raise UserError(format_validation_error(f"{where}: config", exc)) from None
+    config = parse_config(raw["config"], f"{where}: config")
     actual = config_json_hash(raw["config"])
     if actual != record.config_hash:
         raise UserError(

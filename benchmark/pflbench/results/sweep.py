@@ -135,7 +135,8 @@ def check_declared_seeds(
                     key = _matrix_key(config.model_dump(mode="json"), str(path))
                     _, seeds, paths = declared.setdefault(key, (name, set(), []))
                     seeds.update(group.seeds)
-                    paths.extend([path] if path not in paths else [])
+                    if path not in paths:
+                        paths.append(path)
     filed: dict[str, list[int]] = {}
     for record in records:
         if record.kind == "run" and record.config is not None:
