@@ -124,6 +124,33 @@ def test_on_another_setup_wer_within_tolerance_and_cohorts_exactly(runs):
     resampled.compute.cohort_per_step = [c + 1 for c in filed.compute.cohort_per_step]
     with pytest.raises(UserError, match="compute.cohort_per_step"):
         compare_rerun(filed, resampled, "r")
+    # Another CPU computes other features from the same audio: its feature digests may differ,
+    # its audio digests may not.
+    other_cpu = elsewhere.model_copy(deep=True)
+    other_cpu.data.digests = {n: "f" * 64 for n in filed.data.digests if n != "seed_model"}
+    other_cpu.data.digests["seed_model"] = filed.data.digests["seed_model"]
+    assert not compare_rerun(filed, other_cpu, "r").exact
+    same_setup = filed.model_copy(update={"data": other_cpu.data})  # there, features are equal
+    with pytest.raises(UserError, match=r"record.data.digests.cv-dev"):
+        compare_rerun(filed, same_setup, "r")
+    other_audio = other_cpu.model_copy(deep=True)
+    other_audio.data.audio_digests["cv-test"] = "e" * 64
+    with pytest.raises(UserError, match=r"record.data.(audio_)?digests.cv-test"):
+        compare_rerun(filed, other_audio, "r")
+    # Another CPU's FFTs move a numerical accountant's ε in its last digits, not further.
+    last_digits, further = other_cpu.model_copy(deep=True), other_cpu.model_copy(deep=True)
+    name = next(n for n, a in filed.privacy.extrapolated.epsilon.items() if a is not None)
+    for copy, factor in ((last_digits, 1 + 1e-8), (further, 1.01)):
+        copy.privacy.extrapolated.epsilon[name].epsilon *= factor
+    compare_rerun(filed, last_digits, "r")
+    with pytest.raises(UserError, match=r"record.privacy.extrapolated.epsilon"):
+        compare_rerun(filed, further, "r")
+    with pytest.raises(UserError, match=r"record.privacy.extrapolated.epsilon"):
+        compare_rerun(filed, filed.model_copy(update={"privacy": last_digits.privacy}), "r")
+    other_model = other_cpu.model_copy(deep=True)
+    other_model.data.digests["seed_model"] = "e" * 64
+    with pytest.raises(UserError, match=r"record.data.digests.seed_model"):
+        compare_rerun(filed, other_model, "r")
     other_config = filed.model_copy(deep=True)
     other_config.config["recipe"]["federated"]["client"]["lr"] *= 2
     with pytest.raises(UserError, match="another config .config.recipe.federated.client.lr"):

@@ -88,6 +88,8 @@ def make_record(
     record["metrics"]["final"] = {n: r.model_dump(mode="json") for n, r in final.items()}
     record["data"]["digests"] = {n: s.digest for n, s in eval_data.eval_sets.items()}
     record["data"]["digests"]["federated_train"] = federated.digest
+    stores = {**eval_data.eval_sets, "federated_train": federated}
+    record["data"]["audio_digests"] = {n: s.audio_digest for n, s in stores.items()}
     digests = {
         n: sha256(hypotheses_content(r["utterances"])).hexdigest() for n, r in results.items()
     }
@@ -317,7 +319,7 @@ def test_every_recorded_figure_is_re_scored(tmp_path, registry, data, dp_record,
         a, b = sorted(speaker for speaker, (errors, _) in result["speakers"].items() if errors)[:2]
         result["speakers"][a][0] -= 1
         result["speakers"][b][0] += 1
-        field = f"speakers.{a}"
+        field = rf"speakers.{a}\[0\]"  # [word errors, words]: the errors named
     elif field == "groups":  # the same in the gender groups
         groups = result["groups"]["gender"]
         a, b = sorted(groups)[:2]
@@ -366,8 +368,24 @@ def test_hypotheses_must_cover_exactly_the_eval_sets_utterances(
 def test_eval_data_other_than_the_runs_are_refused(tmp_path, registry, data, dp_record):
     record = copy.deepcopy(dp_record)
     record["data"]["digests"]["cv-dev"] = "f" * 64  # the run evaluated other data
+    record["data"]["audio_digests"]["cv-dev"] = "f" * 64
     with pytest.raises(UserError, match="'cv-dev' here .* is not the data the run used"):
         accept(write_run(tmp_path / "run", finalize(record)), tmp_path / "results", registry, data)
+
+
+def test_features_another_cpu_computed_from_the_runs_audio_are_the_runs_data(
+    tmp_path, registry, data, dp_record
+):
+    """A run filed on another CPU states other feature digests (other feature arithmetic) and
+    the same audio digests: re-scoring and the population check read no features, so the
+    record is accepted; its audio digest changed too, it is refused."""
+    record = copy.deepcopy(dp_record)
+    for name in ("cv-dev", "federated_train"):
+        record["data"]["digests"][name] = "f" * 64
+    accept(write_run(tmp_path / "run", finalize(record)), tmp_path / "results", registry, data)
+    record["data"]["audio_digests"]["federated_train"] = "e" * 64
+    with pytest.raises(UserError, match="'federated_train' here .* is not the data the run used"):
+        accept(write_run(tmp_path / "run2", finalize(record)), tmp_path / "other", registry, data)
 
 
 def test_a_population_other_than_the_datas_is_refused(tmp_path, registry, data, dp_record):
@@ -383,6 +401,7 @@ def test_a_population_other_than_the_datas_is_refused(tmp_path, registry, data, 
         accept(write_run(tmp_path / "run", record), tmp_path / "results", registry, data)
     record = copy.deepcopy(dp_record)
     record["data"]["digests"]["federated_train"] = "f" * 64
+    record["data"]["audio_digests"]["federated_train"] = "f" * 64
     with pytest.raises(UserError, match="'federated_train' here .* is not the data the run used"):
         accept(write_run(tmp_path / "run2", finalize(record)), tmp_path / "results", registry, data)
 

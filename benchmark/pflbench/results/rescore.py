@@ -20,6 +20,7 @@ rescore` re-scores filed records (CI; verify.recheck_filed).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,18 +56,29 @@ class DataOptions:
 # Comparing figures
 
 
-def differences(claimed: Any, fresh: Any, field: str) -> Iterator[tuple[str, Any, Any]]:
+def differences(
+    claimed: Any, fresh: Any, field: str, float_rtol: float = 0.0
+) -> Iterator[tuple[str, Any, Any]]:
     """(field, claimed, fresh) wherever two JSON values differ, in the claimed value's key order
-    (a record's EvalResult: wer before cer)."""
+    (a record's EvalResult: wer before cer); floats within `float_rtol` of each other are equal
+    (0: exactly equal)."""
     if isinstance(claimed, dict) and isinstance(fresh, dict):
         for key in [*claimed, *(k for k in fresh if k not in claimed)]:
-            yield from differences(claimed.get(key), fresh.get(key), f"{field}.{key}")
+            yield from differences(claimed.get(key), fresh.get(key), f"{field}.{key}", float_rtol)
+    elif isinstance(claimed, list) and isinstance(fresh, list) and len(claimed) == len(fresh):
+        for i, (a, b) in enumerate(zip(claimed, fresh, strict=True)):
+            yield from differences(a, b, f"{field}[{i}]", float_rtol)
+    elif type(claimed) is float and type(fresh) is float:
+        if not math.isclose(claimed, fresh, rel_tol=float_rtol, abs_tol=0.0) and claimed != fresh:
+            yield field, claimed, fresh
     elif claimed != fresh:
         yield field, claimed, fresh
 
 
-def first_difference(claimed: Any, fresh: Any, field: str) -> tuple[str, Any, Any] | None:
-    return next(differences(claimed, fresh, field), None)
+def first_difference(
+    claimed: Any, fresh: Any, field: str, float_rtol: float = 0.0
+) -> tuple[str, Any, Any] | None:
+    return next(differences(claimed, fresh, field, float_rtol), None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -74,15 +86,24 @@ def first_difference(claimed: Any, fresh: Any, field: str) -> tuple[str, Any, An
 
 
 def check_data_digest(record: ResultRecord, name: str, store: FeatureStore, where: str) -> None:
-    """The store here holds the data the run used under `name` (same manifest, normalizer,
-    tokens): its digest is the record's data.digests[name]."""
-    stated = record.data.digests.get(name) if record.data is not None else None
-    if stated != store.digest:
-        raise UserError(
-            f"{where}: {name!r} here (data digest {store.digest}) is not the data the run used "
-            f"(data.digests[{name!r}] = {stated!r}): the corpus, its version or pflbench's "
-            "normalizer differ"
-        )
+    """The store here holds the data the run used under `name`: its digest is the record's
+    data.digests[name] (same manifest, normalizer, tokens and features), or, where this CPU
+    computed other features, its audio digest is data.audio_digests[name] (the same utterances,
+    users, normalized texts and decoded audio). Scoring and the population read no features, and
+    feature arithmetic differs between CPUs (docs/RESULTS.md), so the audio is what must match."""
+    data = record.data
+    stated = data.digests.get(name) if data is not None else None
+    if stated == store.digest:
+        return
+    stated_audio = (data.audio_digests or {}).get(name) if data is not None else None
+    if stated_audio is not None and stated_audio == store.audio_digest:
+        return
+    raise UserError(
+        f"{where}: {name!r} here (data digest {store.digest}, audio digest "
+        f"{store.audio_digest}) is not the data the run used (data.digests[{name!r}] = "
+        f"{stated!r}, data.audio_digests[{name!r}] = {stated_audio!r}): the corpus, its version "
+        "or pflbench's normalizer differ"
+    )
 
 
 def check_eval_data(record: ResultRecord, data: EvalData, where: str) -> None:
