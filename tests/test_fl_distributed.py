@@ -83,7 +83,8 @@ def test_a_cuda_run_has_a_backend_for_every_tensor_its_steps_all_reduce():
     # A CUDA run's step reduces its int64 sums on the GPU and its float64 stats on the CPU; an
     # NCCL-only group has no backend for the CPU tensor and fails at the first step.
     agg = StepAggregator({"w": torch.zeros(3)}, make_mechanism(PrivacyRecipe(), 2), 0, 1.0)
-    assert agg.stats.device.type == "cpu" and agg.stats.dtype == torch.float64
+    for stats in (agg.norm_sums, agg.norm_squares):  # with the counters, one CPU stats tensor
+        assert stats.device.type == "cpu" and stats.dtype == torch.float64
     assert device_backends(process_group_backend("cuda")) == {"cpu": "gloo", "cuda": "nccl"}
     assert device_backends(process_group_backend("cpu"))["cpu"] == "gloo"
     assert "cpu" not in device_backends("nccl")  # what a CUDA run used to initialize

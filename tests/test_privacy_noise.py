@@ -135,7 +135,25 @@ def test_exact_sum_matches_the_float64_sum():
     got = flat(acc.result(torch.float64))
     assert acc.terms == 9
     assert float((got - exact).abs().max()) <= 9 / acc.scale  # one rounding per term
-    assert all(b.dtype == torch.int64 for b in acc.buffers())
+
+
+def test_the_unflushed_sum_is_the_int64_sums_bit_for_bit_and_result_ends_it():
+    """One process's sum skips the int64 buffer (its fp64 partial sum is the sum); a sum whose
+    buffers were taken (to all-reduce) goes through int64: the same floats in every dtype."""
+    users = clipped_users(9, clip_bound=0.01)
+    for dtype in (torch.float64, torch.float32, torch.bfloat16):
+        direct, via_int64 = ExactSum(zeros(), max_abs=0.01), ExactSum(zeros(), max_abs=0.01)
+        for u in users:
+            direct.add(u)
+            via_int64.add(u)
+        assert all(b.dtype == torch.int64 for b in via_int64.buffers())
+        got, want = direct.result(dtype), via_int64.result(dtype)
+        assert all(t.dtype == dtype for t in got.values())
+        assert all(torch.equal(got[n], want[n]) for n in want)
+        with pytest.raises(ValueError, match="ended"):
+            direct.add(users[0])
+        with pytest.raises(ValueError, match="ended"):
+            via_int64.buffers()
 
 
 def test_exact_sum_rejects_what_could_overflow_or_is_broken():

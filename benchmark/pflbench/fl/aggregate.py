@@ -17,11 +17,11 @@ import time
 
 import torch
 
-from pflbench.fl.distributed import all_reduce_sum
+from pflbench.fl.distributed import all_reduce_sum, one_process
 from pflbench.privacy.aggregate import ExactSum
 from pflbench.privacy.mechanisms import PrivacyMechanism
 
-HEAD = 7  # per-step counters ahead of the per-layer norm sums in the stats tensor
+HEAD = 7  # per-step counters of clients, then canaries, then the per-layer norm sums
 
 
 class StepAggregator:
@@ -41,10 +41,13 @@ class StepAggregator:
         self.bound = mechanism.clip_bound  # C_t
         self.sum = ExactSum(like, max_abs=mechanism.largest_element(update_bound))
         num_layers = len(self.names)
-        # clients, non-finite, clipped, loss sum, local steps, frames, within the bound, then
-        # Σ‖Δ_h‖ and Σ‖Δ_h‖².
-        self.stats = torch.zeros(HEAD + 2 * num_layers, dtype=torch.float64)
-        self.canaries = torch.zeros(1, dtype=torch.float64)  # audit canaries: users without data
+        # clients, non-finite, clipped, loss sum, local steps, frames, within the bound: Python
+        # floats (fp64 sums like a tensor's, without a tensor op per client); then Σ‖Δ_h‖ and
+        # Σ‖Δ_h‖². One stats tensor of all three is all-reduced at the end.
+        self.head = [0.0] * HEAD
+        self.norm_sums = torch.zeros(num_layers, dtype=torch.float64)
+        self.norm_squares = torch.zeros(num_layers, dtype=torch.float64)
+        self.canaries = 0.0  # audit canaries: users without data
         self.seconds = 0.0  # in the per-user privacy steps and the sum (`pflbench bench fl`)
 
     def add(
@@ -57,7 +60,9 @@ class StepAggregator:
         loss = 0.0 if nonfinite else loss
         within = float(facts["within"])  # the adaptive bit
         head = [1.0, float(nonfinite), float(facts["clipped"]), loss, steps, frames, within]
-        self.stats += torch.cat([torch.tensor(head, dtype=torch.float64), norms, norms**2])
+        self.head = [total + value for total, value in zip(self.head, head, strict=True)]
+        self.norm_sums += norms
+        self.norm_squares += norms**2
 
     def add_canary(self, update: dict[str, torch.Tensor], user: str) -> None:
         """Fold an audit canary's Δ in like a user's (privacy/audit.py): the same privacy steps,
@@ -67,8 +72,8 @@ class StepAggregator:
             n: update[n] if n in update else torch.zeros_like(t) for n, t in self.like.items()
         }
         facts = self._fold(update, user)
-        self.canaries += 1
-        self.stats[6] += float(facts["within"])
+        self.canaries += 1.0
+        self.head[6] += float(facts["within"])
 
     def _fold(self, update: dict[str, torch.Tensor], user: str) -> dict:
         """Constrain the update's sensitivity and add the result to the exact sum; returns what
@@ -82,25 +87,29 @@ class StepAggregator:
     def finish(self) -> tuple[list[torch.Tensor], dict]:
         """All-reduce, average, noise; returns (pseudo-gradient per tensor, stats). The
         mechanism's releases beside the average join the stats (and move its C_t)."""
-        all_reduce_sum(self.sum.buffers())
-        all_reduce_sum([self.stats, self.canaries])
+        if not one_process():  # one process's sum is final: no int64 buffer (ExactSum.result)
+            all_reduce_sum(self.sum.buffers())
+        head = torch.tensor([*self.head, self.canaries], dtype=torch.float64)
+        stats = torch.cat([head, self.norm_sums, self.norm_squares])
+        all_reduce_sum([stats])
         mechanism = self.mechanism
-        mechanism.check_clients(float(self.stats[0] + self.canaries[0]))
+        mechanism.check_clients(float(stats[0]) + float(stats[HEAD]))  # users and canaries
         averaged = self.sum.result(torch.float32)
         grads = [averaged[n].div_(mechanism.denominator) for n in self.names]
         # With client-side noise the noiseless average never exists anywhere.
         norm_before = None if mechanism.client_noise else _global_norm(grads)
         mechanism.add_noise(averaged, self.step)  # in place: its tensors are `grads`
-        report = self._report(norm_before, _global_norm(grads))
-        report |= mechanism.end_step(float(self.stats[6]), self.step)
+        report = self._report(stats, norm_before, _global_norm(grads))
+        report |= mechanism.end_step(float(stats[6]), self.step)
         return grads, report
 
-    def _report(self, norm_before: float | None, norm_after: float) -> dict:
-        clients, nonfinite, clipped, loss_sum, steps, frames, _ = self.stats[:HEAD].tolist()
+    def _report(self, stats: torch.Tensor, norm_before: float | None, norm_after: float) -> dict:
+        """`stats`: the all-reduced head, canaries, Σ‖Δ_h‖ and Σ‖Δ_h‖²."""
+        clients, nonfinite, clipped, loss_sum, steps, frames, _ = stats[:HEAD].tolist()
         h = len(self.names)
         n = max(clients, 1.0)
-        mean = self.stats[HEAD : HEAD + h] / n
-        std = (self.stats[HEAD + h :] / n - mean**2).clamp_min(0).sqrt()
+        mean = stats[HEAD + 1 : HEAD + 1 + h] / n
+        std = (stats[HEAD + 1 + h :] / n - mean**2).clamp_min(0).sqrt()
         finite = clients - nonfinite
         return {
             "clients": int(clients),

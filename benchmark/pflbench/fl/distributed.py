@@ -96,10 +96,15 @@ def assign_users(work: list[float], world_size: int) -> list[list[int]]:
     return [sorted(a) for a in assigned]
 
 
+def one_process() -> bool:
+    """No process group, or a group of one: there is nothing to all-reduce."""
+    return not dist.is_initialized() or dist.get_world_size() == 1
+
+
 def all_reduce_sum(tensors: list[torch.Tensor]) -> None:
-    """In-place SUM across the ranks of the process group (none: nothing to do), flattening
-    tensors of one dtype and device into buckets of ≤ BUCKET_BYTES."""
-    if not dist.is_initialized() or not tensors:
+    """In-place SUM across the ranks of the process group (one process: nothing to do),
+    flattening tensors of one dtype and device into buckets of ≤ BUCKET_BYTES."""
+    if one_process() or not tensors:
         return
     for bucket in _buckets(tensors):
         flat = _flatten_dense_tensors(bucket)

@@ -8,7 +8,9 @@ up to one rounding) and sums integers: the result is bitwise identical for any g
 The integers are summed in fp64 first: fp64 adds integers exactly while the sum stays within
 2^53, so a run of terms goes into an fp64 partial sum (one vectorized pass per term, where an
 int64 conversion and an int64 add take two) and the partial sum joins the int64 sum before it
-could leave that range. The result is the int64 sum's, bit for bit.
+could leave that range. The result is the int64 sum's, bit for bit. A sum that never left its
+first run and is not all-reduced (one process, a cohort's worth of terms) needs no int64 buffer
+at all: its partial sum is the sum.
 """
 
 from __future__ import annotations
@@ -49,7 +51,8 @@ class ExactSum:
         self._sizes = [t.numel() for t in like.values()]
         device = next(iter(like.values())).device if like else torch.device("cpu")
         total = sum(self._sizes)
-        self._sum = torch.zeros(total, dtype=torch.int64, device=device)
+        self._sum: Tensor | None = None  # made by the first flush (buffers(), or a full run)
+        self._ended = False  # result() reuses the buffers
         # A term's integers are at most `largest_integer` in magnitude (the rounding of a value
         # at most max_abs·scale), so fp64 sums `terms_per_partial` of them exactly.
         largest_integer = math.ceil(self.max_abs * self.scale)
@@ -63,6 +66,7 @@ class ExactSum:
         """Add one term. `largest`: a proven bound on its elements (the privacy steps derive one
         from the norms they measured); within max_abs it spares the range pass, otherwise (or
         when None) every element is checked."""
+        self._check_open()
         if list(update) != self._names:
             raise ValueError("update keys differ from the ExactSum's keys (or their order)")
         if self.terms >= self.max_terms:
@@ -96,25 +100,40 @@ class ExactSum:
     def _flush(self) -> None:
         """Move the fp64 partial sum into the int64 sum (integral values: the conversion is
         exact)."""
-        if self._partial_terms == 0:  # result() after buffers(): nothing to move
+        if self._partial_terms == 0 and self._sum is not None:  # nothing to move
             return
-        self._sum.add_(self._partial.to(torch.int64))
+        if self._sum is None:
+            self._sum = self._partial.to(torch.int64)
+        else:
+            self._sum.add_(self._partial.to(torch.int64))
         self._partial.zero_()
         self._partial_terms = 0
 
     def buffers(self) -> list[Tensor]:
         """The int64 sums, to all-reduce (SUM) across processes in place."""
+        self._check_open()
         self._flush()
+        assert self._sum is not None
         return [self._sum]
 
     def result(self, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
-        self._flush()
-        values = (self._sum.to(torch.float64) / self.scale).to(dtype)
-        pieces = values.split(self._sizes)
+        """The sum, in `dtype`, per tensor. It ends the sum: the values may lie in its buffers."""
+        self._check_open()
+        self._ended = True
+        if self._sum is None:  # never flushed: the partial sum holds the integers, exactly
+            values = self._partial.div_(self.scale)
+        else:
+            self._flush()
+            values = self._sum.to(torch.float64).div_(self.scale)
+        pieces = values.to(dtype).split(self._sizes)
         return {
             name: piece.view(shape)
             for name, piece, shape in zip(self._names, pieces, self._shapes, strict=True)
         }
+
+    def _check_open(self) -> None:
+        if self._ended:
+            raise ValueError("this ExactSum has ended: result() was called")
 
 
 def scratch_dtype(dtypes: list[torch.dtype], device: torch.device, scale: float) -> torch.dtype:
