@@ -287,6 +287,11 @@ def test_on_another_setup_verify_compares_within_the_stated_tolerance(
     rewrite_record(run_dir, lambda raw: raw["compute"].update(device_name="another CPU"))
     stamp = verify_run(run_dir, "cpu", data)
     assert not stamp.exact
+    # A CPU's device name is its architecture only (x86_64 for Intel and AMD alike): another
+    # vendor or kernel choice under the same name is another setup too.
+    other_vendor = copy_run(honest_run, tmp_path / "vendor")
+    rewrite_record(other_vendor, lambda raw: raw["compute"]["cpu"].update(vendor="another"))
+    assert not verify_run(other_vendor, "cpu", data).exact
     record, _ = load_record(run_dir / "record.json")
     near = {
         n: EvalFigures(wer=f.wer + TOLERANCE / 2, cer=f.cer, num_utterances=f.num_utterances)

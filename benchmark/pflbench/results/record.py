@@ -148,8 +148,13 @@ def compute_info(
             "alpha": alpha,
             "value": value,
         },
-        cpu=CpuKernels.model_validate(cpu_kernels()),
+        cpu=cpu_info(),
     )
+
+
+def cpu_info() -> CpuKernels:
+    """This CPU and the kernels torch picks on it (what compute.cpu states)."""
+    return CpuKernels.model_validate(cpu_kernels())
 
 
 def device_name(device: str) -> str:

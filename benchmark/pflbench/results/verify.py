@@ -6,9 +6,9 @@ checkpoints/final.safetensors is the checkpoint the record names (`outputs.final
 digest of its tensors), evaluates it on the task's eval sets with the runner's own evaluation,
 and compares with the record:
 
-- on the run's setup (same torch version, device and device name; on a CPU the record's
-  intra-op thread count is used), exactly: every figure of `metrics.final`, and the hypotheses
-  themselves (their sha256 is the record's);
+- on the run's setup (same torch version, device and device name; on a CPU the same vendor and
+  kernels, `compute.cpu` but its model name, and the record's intra-op thread count), exactly:
+  every figure of `metrics.final`, and the hypotheses themselves (their sha256 is the record's);
 - on another setup, kernels round differently and a few hypotheses may change: per eval set the
   same number of utterances, and pooled WER and CER within TOLERANCE (absolute; 0.01 = 1 point).
 
@@ -23,6 +23,7 @@ import json
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import torch
 from pydantic import Field, ValidationError
@@ -37,7 +38,7 @@ from pflbench.errors import UserError
 from pflbench.evaluate import eval_summary, evaluate_task
 from pflbench.files import atomic_write_text
 from pflbench.results.leaderboard import VERIFICATION_FILE, filed_dir
-from pflbench.results.record import device_name
+from pflbench.results.record import cpu_info, device_name
 from pflbench.results.rescore import (
     DataOptions,
     check_eval_data,
@@ -70,6 +71,9 @@ class Setup(Strict):
     device: str
     device_name: str | None
     intra_op_threads: int | None  # CPU only
+    # CPU only: vendor, ISA and kernel settings (CpuKernels but its model name). A CPU's device
+    # name is only its architecture (x86_64): another vendor's computes other features.
+    cpu: dict[str, Any] | None = None
 
 
 class EvalFigures(Strict):
@@ -91,12 +95,13 @@ class Verification(Strict):
 
 
 def run_setup(record: ResultRecord) -> Setup:
-    cpu = record.compute.device == "cpu"
+    cpu, kernels = record.compute.device == "cpu", record.compute.cpu
     return Setup(
         torch_version=record.software.torch_version if record.software else "",
         device=record.compute.device or "",
         device_name=record.compute.device_name,
         intra_op_threads=record.compute.intra_op_threads if cpu else None,
+        cpu=kernels.model_dump(exclude={"model"}) if cpu and kernels is not None else None,
     )
 
 
@@ -107,6 +112,7 @@ def this_setup(device: str, threads: int) -> Setup:
         device="cuda" if cuda else "cpu",
         device_name=device_name(device),
         intra_op_threads=None if cuda else threads,
+        cpu=None if cuda else cpu_info().model_dump(exclude={"model"}),
     )
 
 
