@@ -21,7 +21,10 @@ from pflbench.fl.distributed import all_reduce_sum, one_process
 from pflbench.privacy.aggregate import ExactSum
 from pflbench.privacy.mechanisms import PrivacyMechanism
 
-HEAD = 7  # per-step counters of clients, then canaries, then the per-layer norm sums
+# The stats tensor: HEAD per-step counters (clients, non-finite, clipped, loss sum, local steps,
+# frames, within the bound, audit canaries), then Σ‖Δ_h‖ and Σ‖Δ_h‖² per layer.
+HEAD = 8
+WITHIN, CANARIES = 6, 7
 
 
 class StepAggregator:
@@ -41,13 +44,11 @@ class StepAggregator:
         self.bound = mechanism.clip_bound  # C_t
         self.sum = ExactSum(like, max_abs=mechanism.largest_element(update_bound))
         num_layers = len(self.names)
-        # clients, non-finite, clipped, loss sum, local steps, frames, within the bound: Python
-        # floats (fp64 sums like a tensor's, without a tensor op per client); then Σ‖Δ_h‖ and
-        # Σ‖Δ_h‖². One stats tensor of all three is all-reduced at the end.
+        # The counters are Python floats (fp64 sums like a tensor's, without a tensor op per
+        # client); they join the norm sums in one stats tensor at the end (HEAD).
         self.head = [0.0] * HEAD
         self.norm_sums = torch.zeros(num_layers, dtype=torch.float64)
         self.norm_squares = torch.zeros(num_layers, dtype=torch.float64)
-        self.canaries = 0.0  # audit canaries: users without data
         self.seconds = 0.0  # in the per-user privacy steps and the sum (`pflbench bench fl`)
 
     def add(
@@ -59,7 +60,7 @@ class StepAggregator:
         nonfinite = facts["nonfinite"]
         loss = 0.0 if nonfinite else loss
         within = float(facts["within"])  # the adaptive bit
-        head = [1.0, float(nonfinite), float(facts["clipped"]), loss, steps, frames, within]
+        head = [1.0, float(nonfinite), float(facts["clipped"]), loss, steps, frames, within, 0.0]
         self.head = [total + value for total, value in zip(self.head, head, strict=True)]
         self.norm_sums += norms
         self.norm_squares += norms**2
@@ -72,8 +73,8 @@ class StepAggregator:
             n: update[n] if n in update else torch.zeros_like(t) for n, t in self.like.items()
         }
         facts = self._fold(update, user)
-        self.canaries += 1.0
-        self.head[6] += float(facts["within"])
+        self.head[WITHIN] += float(facts["within"])
+        self.head[CANARIES] += 1.0  # audit canaries: users without data
 
     def _fold(self, update: dict[str, torch.Tensor], user: str) -> dict:
         """Constrain the update's sensitivity and add the result to the exact sum; returns what
@@ -89,27 +90,27 @@ class StepAggregator:
         mechanism's releases beside the average join the stats (and move its C_t)."""
         if not one_process():  # one process's sum is final: no int64 buffer (ExactSum.result)
             all_reduce_sum(self.sum.buffers())
-        head = torch.tensor([*self.head, self.canaries], dtype=torch.float64)
+        head = torch.tensor(self.head, dtype=torch.float64)
         stats = torch.cat([head, self.norm_sums, self.norm_squares])
         all_reduce_sum([stats])
         mechanism = self.mechanism
-        mechanism.check_clients(float(stats[0]) + float(stats[HEAD]))  # users and canaries
+        mechanism.check_clients(float(stats[0]) + float(stats[CANARIES]))
         averaged = self.sum.result(torch.float32)
         grads = [averaged[n].div_(mechanism.denominator) for n in self.names]
         # With client-side noise the noiseless average never exists anywhere.
         norm_before = None if mechanism.client_noise else _global_norm(grads)
         mechanism.add_noise(averaged, self.step)  # in place: its tensors are `grads`
         report = self._report(stats, norm_before, _global_norm(grads))
-        report |= mechanism.end_step(float(stats[6]), self.step)
+        report |= mechanism.end_step(float(stats[WITHIN]), self.step)
         return grads, report
 
     def _report(self, stats: torch.Tensor, norm_before: float | None, norm_after: float) -> dict:
-        """`stats`: the all-reduced head, canaries, Σ‖Δ_h‖ and Σ‖Δ_h‖²."""
-        clients, nonfinite, clipped, loss_sum, steps, frames, _ = stats[:HEAD].tolist()
+        """`stats`: the all-reduced stats tensor (HEAD)."""
+        clients, nonfinite, clipped, loss_sum, steps, frames = stats[:WITHIN].tolist()
         h = len(self.names)
         n = max(clients, 1.0)
-        mean = stats[HEAD + 1 : HEAD + 1 + h] / n
-        std = (stats[HEAD + 1 + h :] / n - mean**2).clamp_min(0).sqrt()
+        mean = stats[HEAD : HEAD + h] / n
+        std = (stats[HEAD + h :] / n - mean**2).clamp_min(0).sqrt()
         finite = clients - nonfinite
         return {
             "clients": int(clients),

@@ -69,7 +69,7 @@ def differences(
         for i, (a, b) in enumerate(zip(claimed, fresh, strict=True)):
             yield from differences(a, b, f"{field}[{i}]", float_rtol)
     elif type(claimed) is float and type(fresh) is float:
-        if not math.isclose(claimed, fresh, rel_tol=float_rtol, abs_tol=0.0) and claimed != fresh:
+        if not math.isclose(claimed, fresh, rel_tol=float_rtol, abs_tol=0.0):
             yield field, claimed, fresh
     elif claimed != fresh:
         yield field, claimed, fresh
