@@ -380,9 +380,13 @@ def test_features_another_cpu_computed_from_the_runs_audio_are_the_runs_data(
     the same audio digests: re-scoring and the population check read no features, so the
     record is accepted; its audio digest changed too, it is refused."""
     record = copy.deepcopy(dp_record)
+    same = accept(write_run(tmp_path / "same", dp_record), tmp_path / "same-cpu", registry, data)
+    assert same.audio_only == []  # every feature digest matched
     for name in ("cv-dev", "federated_train"):
         record["data"]["digests"][name] = "f" * 64
-    accept(write_run(tmp_path / "run", finalize(record)), tmp_path / "results", registry, data)
+    run_dir = write_run(tmp_path / "run", finalize(record))
+    accepted = accept(run_dir, tmp_path / "results", registry, data)
+    assert sorted(accepted.audio_only) == ["cv-dev", "federated_train"]  # reported, not silent
     record["data"]["audio_digests"]["federated_train"] = "e" * 64
     with pytest.raises(UserError, match="'federated_train' here .* is not the data the run used"):
         accept(write_run(tmp_path / "run2", finalize(record)), tmp_path / "other", registry, data)

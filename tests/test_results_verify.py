@@ -102,6 +102,7 @@ def test_an_honest_run_is_filed_and_re_scores_exactly(honest_run, tmp_path, regi
     assert [path for path, _, _ in files] == [accepted.path]
     report = recheck_filed(files, data)  # CI: `pflbench results rescore`
     assert report.rescored == [accepted.path]
+    assert report.audio_only == []  # this machine computed the run's features
     text = render_leaderboard([r for _, r, _ in files], reevaluated=reevaluated_ids(files))
     row = next(line for line in text.splitlines() if accepted.record.record_id in line)
     assert row.endswith("| run | re-scored |")
@@ -250,6 +251,21 @@ def test_ci_refuses_a_filed_record_whose_population_is_not_its_datas(
     forged.write_text(json.dumps(raw))
     with pytest.raises(UserError, match=f"simulated.population is {10 * users}, .* give {users}"):
         recheck_filed(load_result_files(tmp_path / "results"), data)
+
+
+def test_ci_reports_records_it_matched_by_audio_only(honest_run, tmp_path, registry, data):
+    """A record filed from another CPU (other feature digests, the same audio digests, id
+    recomputed): re-scored, and counted as matched by its audio rather than passed silently."""
+    accepted = submit(copy_run(honest_run, tmp_path), tmp_path / "results", registry, data=data)
+    raw = json.loads(accepted.path.read_text())
+    raw["data"]["digests"]["cv-test"] = "f" * 64
+    raw["record_id"] = compute_record_id(raw)
+    other_cpu = accepted.path.with_name(f"{raw['record_id']}.json")
+    accepted.path.with_suffix("").rename(other_cpu.with_suffix(""))
+    accepted.path.unlink()
+    other_cpu.write_text(json.dumps(raw))
+    report = recheck_filed(load_result_files(tmp_path / "results"), data)
+    assert report.rescored == report.audio_only == [other_cpu]
 
 
 def test_verify_fails_on_a_swapped_checkpoint(honest_run, tmp_path, registry, data):

@@ -32,6 +32,8 @@ SweepsOption = typer.Option(
 )
 LEADERBOARD_FILE = Path("leaderboard.md")
 FIGURES_DIR = Path("docs/figures")
+# Re-scoring and the population check read no features; another CPU computes other ones.
+AUDIO_ONLY_NOTE = "matched the run's data by the audio digest only: this CPU's features differ"
 
 
 def _registry(specs: list[Path] | None, plugins: list[str] | None = None):
@@ -153,6 +155,8 @@ def register(app: typer.Typer) -> None:
             accepted.append(one)
             if not as_json:
                 note = " [yellow](stale: older task version)[/]" if one.stale else ""
+                if one.audio_only:
+                    note += f" ({AUDIO_ONLY_NOTE}: {', '.join(one.audio_only)})"
                 checked = "re-evaluated" if one.reevaluated else "re-scored"
                 console.print(
                     f"accepted {one.record.record_id} ({checked}) → {one.path}{note}",
@@ -165,6 +169,7 @@ def register(app: typer.Typer) -> None:
                     "path": str(a.path),
                     "stale": a.stale,
                     "reevaluated": a.reevaluated,
+                    "audio_only": a.audio_only,
                 }
                 for a in accepted
             ] + [{"run_dir": str(d), "refused": why} for d, why in refused]
@@ -428,6 +433,12 @@ def register(app: typer.Typer) -> None:
             f"{len(report.rescored)} records re-scored, {report.references} reference rows",
             highlight=False,
         )
+        if report.audio_only:
+            console.print(
+                f"{len(report.audio_only)} of them {AUDIO_ONLY_NOTE} (docs/RESULTS.md, "
+                "'Another CPU vendor')",
+                highlight=False,
+            )
 
     @group.command("reproduce")
     def reproduce(

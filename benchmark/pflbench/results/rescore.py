@@ -85,19 +85,20 @@ def first_difference(
 # Re-scoring
 
 
-def check_data_digest(record: ResultRecord, name: str, store: FeatureStore, where: str) -> None:
+def check_data_digest(record: ResultRecord, name: str, store: FeatureStore, where: str) -> bool:
     """The store here holds the data the run used under `name`: its digest is the record's
     data.digests[name] (same manifest, normalizer, tokens and features), or, where this CPU
     computed other features, its audio digest is data.audio_digests[name] (the same utterances,
     users, normalized texts and decoded audio). Scoring and the population read no features, and
-    feature arithmetic differs between CPUs (docs/RESULTS.md), so the audio is what must match."""
+    feature arithmetic differs between CPUs (docs/RESULTS.md), so the audio is what must match.
+    Returns whether the features matched too (False: matched by the audio digest only)."""
     data = record.data
     stated = data.digests.get(name) if data is not None else None
     if stated == store.digest:
-        return
+        return True
     stated_audio = (data.audio_digests or {}).get(name) if data is not None else None
     if stated_audio is not None and stated_audio == store.audio_digest:
-        return
+        return False
     raise UserError(
         f"{where}: {name!r} here (data digest {store.digest}, audio digest "
         f"{store.audio_digest}) is not the data the run used (data.digests[{name!r}] = "
@@ -106,10 +107,14 @@ def check_data_digest(record: ResultRecord, name: str, store: FeatureStore, wher
     )
 
 
-def check_eval_data(record: ResultRecord, data: EvalData, where: str) -> None:
-    """The eval sets here are the data the run evaluated."""
-    for name, store in data.eval_sets.items():
-        check_data_digest(record, name, store, where)
+def check_eval_data(record: ResultRecord, data: EvalData, where: str) -> list[str]:
+    """The eval sets here are the data the run evaluated; returns those that matched by their
+    audio digest only (check_data_digest)."""
+    return [
+        name
+        for name, store in data.eval_sets.items()
+        if not check_data_digest(record, name, store, where)
+    ]
 
 
 def rescored(eval_set: EvalSet, data: EvalData, hypotheses: dict[str, str], where: str):
@@ -136,9 +141,10 @@ def rescored(eval_set: EvalSet, data: EvalData, hypotheses: dict[str, str], wher
 
 def rescore_record(
     record: ResultRecord, eval_sets: list[EvalSet], folder: Path, data: EvalData, where: str
-) -> None:
+) -> list[str]:
     """Re-score a run record (`eval_sets`: its config's) from the hypotheses files in `folder`;
-    a UserError names the first figure that differs, with both values."""
+    a UserError names the first figure that differs, with both values. Returns the eval sets
+    that matched the record's data by their audio digest only."""
     outputs = record.outputs  # a run record has them (schema)
     names = sorted(e.name for e in eval_sets)
     for what, found in (
@@ -149,7 +155,7 @@ def rescore_record(
             raise UserError(
                 f"{where}: {what} has eval sets {sorted(found)}, but the task evaluates {names}"
             )
-    check_eval_data(record, data, where)
+    audio_only = check_eval_data(record, data, where)
     final_step = max((h.step for h in record.metrics.history), default=None)
     for eval_set in eval_sets:
         name = eval_set.name
@@ -174,6 +180,7 @@ def rescore_record(
                     f"{where}: {field} is {a!r} in the record, but re-scoring the stored "
                     f"hypotheses against the eval set's references gives {b!r}"
                 )
+    return audio_only
 
 
 def states_population(record: ResultRecord) -> bool:
@@ -184,13 +191,14 @@ def states_population(record: ResultRecord) -> bool:
 
 def check_training_data(
     record: ResultRecord, config: RunConfig, store: FeatureStore, where: str
-) -> None:
+) -> bool:
     """The privacy statement's scale is the training data's: the federated data here are those
     the run trained on (`data.digests`), and the simulated population is their users (audit
     canaries added) or, for example-level DP-SGD, their N utterances, with the expected batch
     B = fine_tune.batch_seconds of their audio. `results validate` recomputes every ε from the
-    stated population; this ties that population to the data."""
-    check_data_digest(record, "federated_train", store, where)
+    stated population; this ties that population to the data. Returns whether the features
+    matched too (check_data_digest)."""
+    features_match = check_data_digest(record, "federated_train", store, where)
     simulated = record.privacy.simulated
     recipe = config.recipe
     if recipe.training == "dpsgd-example":
@@ -208,15 +216,21 @@ def check_training_data(
                 f"{where}: privacy.simulated.{field} is {getattr(simulated, field)}, but the "
                 f"training data's {what} give {value}"
             )
+    return features_match
 
 
 def rescore_run_dir(
     record: ResultRecord, config: RunConfig, run_dir: Path, data: DataOptions
-) -> None:
+) -> list[str]:
     """Re-score the record of a run directory from its hypotheses/ and check its population
-    against the training data (what `submit` does)."""
+    against the training data (what `submit` does). Returns the data sets that matched the
+    record's by their audio digest only."""
     where = str(Path(run_dir) / "record.json")
     folder = Path(run_dir) / HYPOTHESES_DIR
-    rescore_record(record, config.task.eval_sets, folder, data.eval_data(config.task), where)
+    eval_data = data.eval_data(config.task)
+    audio_only = rescore_record(record, config.task.eval_sets, folder, eval_data, where)
     if states_population(record):
-        check_training_data(record, config, data.federated_data(config.task), where)
+        store = data.federated_data(config.task)
+        if not check_training_data(record, config, store, where):
+            audio_only.append("federated_train")
+    return audio_only

@@ -47,6 +47,8 @@ class Accepted:
     path: Path
     stale: bool
     reevaluated: bool  # filed with `pflbench verify`'s stamp
+    # Data sets that matched the record's by their audio digest only (this CPU's features differ).
+    audio_only: list[str]
 
 
 def record_path(results_root: Path, record: ResultRecord) -> Path:
@@ -602,7 +604,7 @@ def submit(
     if duplicate is not None:
         raise UserError(f"{record_file}: a duplicate of {duplicate} (same record or same config)")
     config = check_config(record, raw, str(record_file))
-    rescore_run_dir(record, config, run_dir, data or DataOptions())
+    audio_only = rescore_run_dir(record, config, run_dir, data or DataOptions())
     stamp_file = run_dir / VERIFICATION_FILE
     if stamp_file.is_file():
         check_stamp(load_stamp(stamp_file), record, str(stamp_file))
@@ -616,4 +618,4 @@ def submit(
         shutil.copyfile(stamp_file, folder / VERIFICATION_FILE)
     # Re-serialising keeps the record's id (the id is over canonical content).
     dest.write_text(json.dumps(raw, indent=2, sort_keys=True) + "\n")
-    return Accepted(record, dest, stale, stamp_file.is_file())
+    return Accepted(record, dest, stale, stamp_file.is_file(), audio_only)

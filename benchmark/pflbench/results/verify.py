@@ -257,13 +257,15 @@ def check_filed_stamp(record: ResultRecord, folder: Path, where: str) -> None:
 class RecheckReport:
     rescored: list[Path]
     references: int  # paper rows: nothing to re-score
+    # Re-scored records whose data matched by the audio digest only (other features here).
+    audio_only: list[Path]
 
 
 def recheck_filed(files: list[tuple[Path, ResultRecord, dict]], data: DataOptions) -> RecheckReport:
     """Re-score filed records (`leaderboard.load_result_files`' triples) from their filed
     hypotheses, check each one's population against the training data and its verification
     stamp where it has one; each task's data are prepared once."""
-    report = RecheckReport([], 0)
+    report = RecheckReport([], 0, [])
     evals: dict[str, EvalData] = {}
     federated: dict[str, FeatureStore] = {}  # prepared only where a record states a population
     for path, record, raw in files:
@@ -276,11 +278,15 @@ def recheck_filed(files: list[tuple[Path, ResultRecord, dict]], data: DataOption
         if key not in evals:
             evals[key] = data.eval_data(task)
         folder = filed_dir(path)
-        rescore_record(record, task.eval_sets, folder / HYPOTHESES_DIR, evals[key], str(path))
+        hypotheses = folder / HYPOTHESES_DIR
+        audio_only = rescore_record(record, task.eval_sets, hypotheses, evals[key], str(path))
         if states_population(record):
             if key not in federated:
                 federated[key] = data.federated_data(task)
-            check_training_data(record, config, federated[key], str(path))
+            if not check_training_data(record, config, federated[key], str(path)):
+                audio_only.append("federated_train")
         check_filed_stamp(record, folder, str(path))
         report.rescored.append(path)
+        if audio_only:
+            report.audio_only.append(path)
     return report
