@@ -21,7 +21,7 @@ rescore` re-scores filed records (CI; verify.recheck_filed).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -219,18 +219,34 @@ def check_training_data(
     return features_match
 
 
+def recheck_record(
+    record: ResultRecord,
+    config: RunConfig,
+    hypotheses_dir: Path,
+    eval_data: EvalData,
+    federated_data: Callable[[], FeatureStore],
+    where: str,
+) -> list[str]:
+    """Re-score a run record from `hypotheses_dir` and, where it states a population, check it
+    against the training data (`federated_data()`, called only then). Returns the data sets that
+    matched the record's by their audio digest only."""
+    audio_only = rescore_record(record, config.task.eval_sets, hypotheses_dir, eval_data, where)
+    if states_population(record):
+        if not check_training_data(record, config, federated_data(), where):
+            audio_only.append("federated_train")
+    return audio_only
+
+
 def rescore_run_dir(
     record: ResultRecord, config: RunConfig, run_dir: Path, data: DataOptions
 ) -> list[str]:
     """Re-score the record of a run directory from its hypotheses/ and check its population
-    against the training data (what `submit` does). Returns the data sets that matched the
-    record's by their audio digest only."""
-    where = str(Path(run_dir) / "record.json")
-    folder = Path(run_dir) / HYPOTHESES_DIR
-    eval_data = data.eval_data(config.task)
-    audio_only = rescore_record(record, config.task.eval_sets, folder, eval_data, where)
-    if states_population(record):
-        store = data.federated_data(config.task)
-        if not check_training_data(record, config, store, where):
-            audio_only.append("federated_train")
-    return audio_only
+    against the training data (what `submit` does); recheck_record's return."""
+    return recheck_record(
+        record,
+        config,
+        Path(run_dir) / HYPOTHESES_DIR,
+        data.eval_data(config.task),
+        lambda: data.federated_data(config.task),
+        str(Path(run_dir) / "record.json"),
+    )

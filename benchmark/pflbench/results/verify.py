@@ -18,6 +18,7 @@ checks against the record and files beside it; the leaderboard marks such rows "
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass
@@ -42,10 +43,8 @@ from pflbench.results.record import cpu_info, device_name
 from pflbench.results.rescore import (
     DataOptions,
     check_eval_data,
-    check_training_data,
     first_difference,
-    rescore_record,
-    states_population,
+    recheck_record,
 )
 from pflbench.results.schema import (
     RECORD_ID_PATTERN,
@@ -58,6 +57,7 @@ from pflbench.results.schema import (
 )
 from pflbench.results.submit import check_config
 from pflbench.rundir import HYPOTHESES_DIR, hypotheses_content, is_done
+from pflbench.spec.models import Task
 from pflbench.spec.registry import format_validation_error
 from pflbench.spec.resolve import canonical_json
 
@@ -268,6 +268,12 @@ def recheck_filed(files: list[tuple[Path, ResultRecord, dict]], data: DataOption
     report = RecheckReport([], 0, [])
     evals: dict[str, EvalData] = {}
     federated: dict[str, FeatureStore] = {}  # prepared only where a record states a population
+
+    def federated_data(key: str, task: Task) -> FeatureStore:
+        if key not in federated:
+            federated[key] = data.federated_data(task)
+        return federated[key]
+
     for path, record, raw in files:
         if record.kind != "run":
             report.references += 1
@@ -278,13 +284,14 @@ def recheck_filed(files: list[tuple[Path, ResultRecord, dict]], data: DataOption
         if key not in evals:
             evals[key] = data.eval_data(task)
         folder = filed_dir(path)
-        hypotheses = folder / HYPOTHESES_DIR
-        audio_only = rescore_record(record, task.eval_sets, hypotheses, evals[key], str(path))
-        if states_population(record):
-            if key not in federated:
-                federated[key] = data.federated_data(task)
-            if not check_training_data(record, config, federated[key], str(path)):
-                audio_only.append("federated_train")
+        audio_only = recheck_record(
+            record,
+            config,
+            folder / HYPOTHESES_DIR,
+            evals[key],
+            functools.partial(federated_data, key, task),
+            str(path),
+        )
         check_filed_stamp(record, folder, str(path))
         report.rescored.append(path)
         if audio_only:
