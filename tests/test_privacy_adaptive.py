@@ -58,7 +58,26 @@ def test_bound_moves_the_right_way():
 def test_noised_fraction_has_the_stated_std():
     gen = torch.Generator().manual_seed(1)
     samples = torch.tensor(
-        [noisy_unclipped_fraction(8.0, 16.0, 0.05, gen) for _ in range(20_000)], dtype=torch.float64
+        [noisy_unclipped_fraction(8.0, 16.0, 16.0, 0.05, gen) for _ in range(20_000)],
+        dtype=torch.float64,
     )
     assert samples.mean().item() == pytest.approx(0.5, abs=0.002)
     assert samples.std().item() == pytest.approx(0.05, rel=0.03)
+
+
+@pytest.mark.parametrize("expected_cohort", [1.0, 16.0, 1000.0])
+@pytest.mark.parametrize("participants", [0, 1, 7, 16, 40])
+def test_one_user_moves_the_released_fraction_by_half_a_bit(participants, expected_cohort):
+    """The sensitivity the noise split assumes (½ per user, in units of 1/E): adding a user,
+    within the bound or not, moves the noiseless release by exactly 1/(2E); an uncentred count
+    would move it by 1/E when the user is within."""
+    gen = torch.Generator().manual_seed(0)
+    for within in range(participants + 1):
+        before = noisy_unclipped_fraction(within, participants, expected_cohort, 0.0, gen)
+        for bit in (0, 1):
+            after = noisy_unclipped_fraction(
+                within + bit, participants + 1, expected_cohort, 0.0, gen
+            )
+            assert abs(after - before) == pytest.approx(0.5 / expected_cohort, rel=1e-12)
+    # With the expected number of users taking part, it is the plain fraction within the bound.
+    assert noisy_unclipped_fraction(12.0, 16.0, 16.0, 0.0, gen) == 12.0 / 16.0

@@ -203,7 +203,7 @@ def test_adaptive_server_noise_is_c_t_sigma_delta_and_the_release_spends_the_res
     release = mechanism.unclipped_fraction
     fractions = torch.tensor(
         [
-            ReleaseUnclippedFraction(adaptive.bit_noise, S, SEED).apply(12.0, step)
+            ReleaseUnclippedFraction(adaptive.bit_noise, S, SEED).apply(12.0, S, step)
             for step in range(2000)
         ],
         dtype=torch.float64,
@@ -213,14 +213,21 @@ def test_adaptive_server_noise_is_c_t_sigma_delta_and_the_release_spends_the_res
         12.0 / S, abs=4 * adaptive.bit_noise / math.sqrt(2000)
     )
     assert float(fractions.std()) == pytest.approx(adaptive.bit_noise, rel=0.05)
-    assert release.apply(12.0, STEP) == release.apply(12.0, STEP)  # keyed: a resume draws the same
+    assert release.apply(12.0, S, STEP) == release.apply(12.0, S, STEP)  # keyed: a resume draws
+    # the same; a stream of its own, not a user's noise stream
+    user_stream = noise_generator(SEED, STEP, user="adaptive-clip")
+    assert release.apply(12.0, S, STEP) != 0.75 + adaptive.bit_noise * float(
+        torch.randn((), generator=user_stream, dtype=torch.float64)
+    )
 
 
 def test_without_dp_the_adaptive_release_is_the_exact_fraction():
     adaptive = AdaptiveClip(target_quantile=0.5, lr=0.2, bit_noise=0.03)
     mechanism = steps_for(sigma_dp=0.0, adaptive_clip=adaptive)
     assert mechanism.aggregate == []
-    assert mechanism.unclipped_fraction.apply(12.0, STEP) == 12.0 / S
+    assert mechanism.unclipped_fraction.apply(12.0, S, STEP) == 12.0 / S
+    # centred: 20 users taking part where 16 were expected, 12 of them within the bound
+    assert mechanism.unclipped_fraction.apply(12.0, 20.0, STEP) == (12.0 - 10.0) / S + 0.5
 
 
 # ----------------------------------------------------------------------------------------------

@@ -94,14 +94,15 @@ class StepAggregator:
         stats = torch.cat([head, self.norm_sums, self.norm_squares])
         all_reduce_sum([stats])
         mechanism = self.mechanism
-        mechanism.check_clients(float(stats[0]) + float(stats[CANARIES]))
+        participants = float(stats[0]) + float(stats[CANARIES])
+        mechanism.check_clients(participants)
         averaged = self.sum.result(torch.float32)
         grads = [averaged[n].div_(mechanism.denominator) for n in self.names]
         # With client-side noise the noiseless average never exists anywhere.
         norm_before = None if mechanism.client_noise else _global_norm(grads)
         mechanism.add_noise(averaged, self.step)  # in place: its tensors are `grads`
         report = self._report(stats, norm_before, _global_norm(grads))
-        report |= mechanism.end_step(float(stats[WITHIN]), self.step)
+        report |= mechanism.end_step(float(stats[WITHIN]), participants, self.step)
         return grads, report
 
     def _report(self, stats: torch.Tensor, norm_before: float | None, norm_after: float) -> dict:

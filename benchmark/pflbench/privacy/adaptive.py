@@ -1,17 +1,20 @@
 """Adaptive clipping (Andrew et al. 2021, "Differentially Private Learning with Adaptive Clipping").
 
-The clip bound follows a target quantile γ of the users' update norms: each sampled user reports
-the bit b_i = [‖Δ_i‖ ≤ C_t]; the server averages the bits over the expected cohort with Gaussian
-noise of std f (the `bit_noise`, relative like σ_DP) and moves the bound geometrically,
+The clip bound follows a target quantile γ of the users' update norms: each of the n sampled users
+(audit canaries included) reports the bit b_i = [‖Δ_i‖ ≤ C_t]; the server releases the centred
+sum over the expected cohort E with Gaussian noise of std f (the `bit_noise`, relative like σ_DP),
+shifts it back by ½, and moves the bound geometrically,
 
-    b̄ = Σ b_i / E[cohort] + N(0, f²),     C_{t+1} = C_t · exp(−η (b̄ − γ)).
+    b̄ = Σ (b_i − ½) / E + ½ + N(0, f²),     C_{t+1} = C_t · exp(−η (b̄ − γ)).
 
-The bits are a second Gaussian mechanism on the same sampled users. Centred (b_i − ½) their
-sensitivity is ½, so releasing the update average (noise std σ_Δ relative to C) and the bit
+The bits are a second Gaussian mechanism on the same sampled users. Adding or removing a user
+changes the centred sum by ½ (the plain Σ b_i by 1: the number of users taking part is private
+under Poisson sampling), so releasing the update average (noise std σ_Δ relative to C) and the bit
 average (std f) is the Gaussian mechanism with one relative noise σ, σ⁻² = σ_Δ⁻² + (2f)⁻² (their
-Thm. 1; multiply every σ by the expected cohort for noise multipliers). pflbench keeps the
-budget's σ_DP for the accountant — the ε statement is unchanged — and spends part of it on the
-bits: the update noise rises to σ_Δ = (σ_DP⁻² − (2f)⁻²)^(-1/2).
+Thm. 1, and tensorflow_privacy's quantile estimator; multiply every σ by E for noise
+multipliers). Without the centring the bits' sensitivity would be 1 and the split f⁻². pflbench
+keeps the budget's σ_DP for the accountant — the ε statement is unchanged — and spends part of it
+on the bits: the update noise rises to σ_Δ = (σ_DP⁻² − (2f)⁻²)^(-1/2).
 """
 
 from __future__ import annotations
@@ -41,11 +44,16 @@ def combined_noise(update_sigma: float, bit_noise: float) -> float:
 
 
 def noisy_unclipped_fraction(
-    unclipped: float, expected_cohort: float, bit_noise: float, generator: torch.Generator
+    unclipped: float,
+    participants: float,
+    expected_cohort: float,
+    bit_noise: float,
+    generator: torch.Generator,
 ) -> float:
-    """b̄: the count of users whose update was within the bound over the expected cohort, noised."""
+    """b̄: the centred count of the `participants` whose update was within the bound, over the
+    expected cohort, noised, plus ½ (sensitivity ½ per user)."""
     noise = torch.randn((), generator=generator, dtype=torch.float64).item() * bit_noise
-    return unclipped / expected_cohort + noise
+    return (unclipped - participants / 2) / expected_cohort + 0.5 + noise
 
 
 def next_clip_bound(

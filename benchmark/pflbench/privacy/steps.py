@@ -49,6 +49,7 @@ from pflbench.privacy.noise import (
     noise_generator,
     server_noise_std,
 )
+from pflbench.seeds import keyed_generator
 from pflbench.spec.models import PrivacyRecipe
 
 # Client-side noise widens the range of an update's elements in the fixed-point sum: it is taken
@@ -186,16 +187,19 @@ class AddServerNoise:
 
 @dataclass(frozen=True)
 class ReleaseUnclippedFraction:
-    """Adaptive clipping's release (privacy/adaptive.py): the count of users within the bound
-    over the expected cohort, plus N(0, bit_noise²) drawn on the CPU."""
+    """Adaptive clipping's release (privacy/adaptive.py): the centred count of users within the
+    bound over the expected cohort, plus ½ and N(0, bit_noise²) drawn on the CPU from a stream of
+    its own (not a user's: no user id can collide with it)."""
 
     bit_noise: float
     denominator: float
     seed: int
 
-    def apply(self, unclipped: float, step: int) -> float:
-        generator = noise_generator(self.seed, step, user="adaptive-clip")
-        return noisy_unclipped_fraction(unclipped, self.denominator, self.bit_noise, generator)
+    def apply(self, unclipped: float, participants: float, step: int) -> float:
+        generator = keyed_generator(self.seed, step, "noise", "adaptive-clip")
+        return noisy_unclipped_fraction(
+            unclipped, participants, self.denominator, self.bit_noise, generator
+        )
 
 
 # ----------------------------------------------------------------------------------------------

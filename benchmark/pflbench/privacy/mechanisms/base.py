@@ -6,7 +6,7 @@ everything DP about a central step t:
     constrain_sensitivity(Δ, user, t)      per user, before the exact sum: a NaN/Inf update
                                            zeroed, clipped to C_t, client noise if placed there
     add_noise(average, t)                  once, on the exact sum divided by `denominator`
-    end_step(within, t)                    what it releases beside the average (adaptive
+    end_step(within, participants, t)      what it releases beside the average (adaptive
                                            clipping's noised fraction within C_t), and C_{t+1}
     state_dict() / load_state_dict()       its state, for an exact resume
 
@@ -175,13 +175,14 @@ class PrivacyMechanism:
         for aggregate_step in self.steps.aggregate:
             aggregate_step.apply(average, step)
 
-    def end_step(self, within: float, step: int) -> dict:
+    def end_step(self, within: float, participants: float, step: int) -> dict:
         """After the noise: the statistics the mechanism releases beside the average (adaptive
-        clipping: C_t and the noised fraction of the `within` users), and its next C."""
+        clipping: C_t and the noised fraction of the `participants`, users and canaries, whose
+        update was within C_t), and its next C."""
         release = self.steps.unclipped_fraction
         if release is None:
             return {}
-        fraction = release.apply(within, step)  # DP-released: the next bound follows from it
+        fraction = release.apply(within, participants, step)  # DP-released: C_{t+1} follows
         released = {"clip_bound": self.clip_bound, "unclipped_fraction": fraction}
         adaptive = self.privacy.adaptive_clip
         self._at_bound(
