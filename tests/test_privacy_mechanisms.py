@@ -31,6 +31,18 @@ def test_the_gaussian_mechanism_samples_and_averages_as_the_paper(sampling):
     assert description == SampledGaussian(0.8, S / K, 30)
 
 
+def test_the_average_is_divided_by_exactly_min_s_k():
+    # q·K in floating point is 1 ulp short of S for some pairs: 15/22·22 = 14.999999999999998.
+    assert (15 / 22) * 22 < 15
+    for population, cohort in [(22, 15), (1200, 16), (34753, 1024), (10, 16)]:
+        assert expected_cohort(population, cohort) == min(cohort, population)
+        for sampling in ("poisson", "fixed"):
+            mechanism = make_mechanism(
+                PrivacyRecipe(), population, cohort=cohort, sampling=sampling, seed=4
+            )
+            assert mechanism.denominator == min(cohort, population)
+
+
 def test_adaptive_clipping_s_bound_is_the_mechanism_s_state_and_resumes_exactly():
     """C_t moves inside the mechanism at the end of each step; a mechanism loaded from its state
     continues with the same bounds and releases (Fault caught: a C_t not checkpointed)."""

@@ -18,8 +18,10 @@ def sampling_rate(population: int, cohort_size: int) -> float:
 
 
 def expected_cohort(population: int, cohort_size: int) -> float:
-    """qK: the denominator of the averaged update for Poisson sampling (S for fixed sampling)."""
-    return sampling_rate(population, cohort_size) * population
+    """The denominator of the averaged update: qK = min(S, K) for Poisson sampling, and the size
+    of a fixed cohort. Taken as min(S, K), not q·K, which rounds 1 ulp short for some (S, K)
+    (15 of 22): the average's sensitivity C/denominator would exceed the C/S its noise is for."""
+    return float(min(cohort_size, population))
 
 
 def sample_cohort(

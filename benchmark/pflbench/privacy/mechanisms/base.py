@@ -120,11 +120,9 @@ class PrivacyMechanism:
 
     @classmethod
     def expected_cohort(cls, recipe: Recipe, population: int) -> float:
-        """The denominator of the average: qK for Poisson sampling, S for fixed cohorts."""
-        fed = recipe.federated
-        if fed.sampling == "poisson":
-            return expected_cohort(population, fed.cohort_size)
-        return min(fed.cohort_size, population)
+        """The denominator of the average: qK = min(S, K) for Poisson sampling, S for fixed
+        cohorts (at most K)."""
+        return expected_cohort(population, recipe.federated.cohort_size)
 
     def cohort(self, step: int) -> torch.Tensor:
         """Indices (sorted, int64) into `context.users` of the users taking part in step `step`."""
