@@ -149,7 +149,7 @@ def privacy_statement(
     delta: float,
     sampling: Literal["poisson", "fixed"],
     budget: Budget | None,
-    accountants: Sequence[str] = tuple(ACCOUNTANTS),
+    accountants: Sequence[str] | None = None,
     pseudo_users: bool = False,
     privacy: PrivacyRecipe = GAUSSIAN,
 ) -> dict:
@@ -157,7 +157,9 @@ def privacy_statement(
 
     `claimed_by` names the accountant whose epsilon is the claim against the budget (the
     budget's own); `unit` is "pseudo-user" when users are random groups of utterances (-iid
-    tasks), so the guarantee is per pseudo-user, not per speaker."""
+    tasks), so the guarantee is per pseudo-user, not per speaker. `accountants`: None, every one
+    registered when called (plug-ins included)."""
+    accountants = tuple(ACCOUNTANTS) if accountants is None else accountants
     if not (sigma_dp >= 0 and math.isfinite(sigma_dp)):
         raise UserError(f"sigma_dp must be finite and >= 0, got {sigma_dp}")
     if not clip_bound > 0:

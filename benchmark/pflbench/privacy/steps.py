@@ -24,7 +24,7 @@ Aggregate steps change the averaged update once: AddServerNoise adds N(0, (C·σ
 clipping also releases the fraction of users within the bound (ReleaseUnclippedFraction), a
 separate release of a count, not of the update. Steps that draw noise take the central step, which
 keys their stream. `privacy_steps` builds them all from the recipe: it is the only place that
-reads privacy.clipping and privacy.noise_placement.
+turns privacy.clipping and privacy.noise_placement into operations on updates.
 """
 
 from __future__ import annotations
@@ -163,8 +163,10 @@ def _clipped_facts(clipped: ClipResult) -> dict:
 
 def _largest(norms: Tensor) -> float:
     """A bound on every element of layers with these fp64 L2 norms: each element is at most its
-    layer's norm; the factor covers the norms' measurement error (clipping.measurement_error
-    of up to 2^20 elements per layer, far more than that for any real layer)."""
+    layer's norm; the factor covers the norms' measurement error (clipping.measurement_error,
+    (n + H + 16)·2^-53 relative: under 2^-20 up to ~2^33 elements). A layer scaled in bf16 or
+    fp16 may round an element up by the dtype's eps/2 beyond this, but not beyond the layer's
+    bound (clipping.rounding_margin), and the sum needs no more: its max_abs is that bound."""
     return float(norms.max()) * (1 + 2.0**-20) if norms.numel() else 0.0
 
 
