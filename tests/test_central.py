@@ -80,7 +80,7 @@ def tone_wave(text: str, rate: int = 16000) -> np.ndarray:
 def tone_store(folder: Path, texts: list[str] = TEXTS) -> FeatureStore:
     """A real feature store (log-mel features, Arrow shards) of tone 'speech', 3 speakers."""
     entries = [
-        Entry(f"u{i}", f"spk{i % 3}", "train", str(i), text, text, "librispeech")
+        Entry(f"u{i}", f"spk{i % 3}", "train", str(i), text, "librispeech")
         for i, text in enumerate(texts)
     ]
 

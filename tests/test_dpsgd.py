@@ -362,7 +362,7 @@ def test_calibration_meets_the_budget_by_opacus_own_accountant(accountant):
 
 def test_example_budgets_cannot_be_mistaken_for_user_level_ones():
     from pflbench.methods import check_budget
-    from pflbench.privacy.example import check_delta, check_example_recipe
+    from pflbench.privacy.example import check_delta_below_one_over_n, check_example_recipe
 
     with pytest.raises(ValueError, match="takes no population, cohort, steps"):
         Budget(name="b", unit="example", epsilon=1, delta=1e-6, population=10, cohort=1, steps=5)
@@ -371,7 +371,7 @@ def test_example_budgets_cannot_be_mistaken_for_user_level_ones():
     with pytest.raises(UserError, match="opacus-rdp, opacus-prv"):
         check_budget(Budget(name="b", unit="example", epsilon=1, delta=1e-6), "budgets.yaml")
     with pytest.raises(UserError, match="not below 1/N"):
-        check_delta(1e-3, 1000, "b")
+        check_delta_below_one_over_n(1e-3, 1000, "b")
     # a federated recipe carrying example_dp settings would ignore them: refused
     recipe = Recipe.model_validate({"example_dp": {"physical_batch": 8}})
     with pytest.raises(UserError, match="applies to training: dpsgd-example only"):

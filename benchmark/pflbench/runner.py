@@ -351,7 +351,7 @@ def train_example_dpsgd(p: Prepared) -> Outcome | None:
     from pflbench.dpsgd import ExampleDPSGD
     from pflbench.privacy.example import (
         NO_BUDGET_ACCOUNTANT,
-        check_delta,
+        check_delta_below_one_over_n,
         example_epsilon,
         example_noise_multiplier,
         example_statement,
@@ -366,7 +366,7 @@ def train_example_dpsgd(p: Prepared) -> Outcome | None:
     utterances = list(p.data.federated_train)  # held in memory, as central fine-tuning does
     examples = len(utterances)
     if budget.dp:
-        check_delta(budget.delta, examples, budget.name)
+        check_delta_below_one_over_n(budget.delta, examples, budget.name)
     batch = expected_batch([u.seconds for u in utterances], schedule.batch_seconds)
     q = sampling_rate(examples, batch)
     noise_multiplier = example_noise_multiplier(budget, q, steps)

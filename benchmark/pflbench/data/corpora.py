@@ -42,7 +42,6 @@ class Entry:
     user_id: str
     split: str
     audio: str
-    raw_text: str
     text: str  # normalized
     corpus: str
     attributes: tuple[tuple[str, str], ...] = ()  # (name, value) of the speaker: age, gender, ...
@@ -123,7 +122,7 @@ def make_entry(
     if tokenizer_for(language).unknown_characters(text):
         skips.add("characters_outside_token_set", utt_id)
         return None
-    return Entry(utt_id, user_id, split, audio, raw, text, corpus, attributes)
+    return Entry(utt_id, user_id, split, audio, text, corpus, attributes)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -180,7 +180,7 @@ def check_budget_unit(budget: Budget, training: str, baseline: str) -> None:
         )
 
 
-def check_delta(delta: float, examples: int, budget: str) -> None:
+def check_delta_below_one_over_n(delta: float, examples: int, budget: str) -> None:
     """δ must be below 1/N: at δ >= 1/N, releasing one random example verbatim satisfies
     (0, δ)-DP, so the guarantee would be void."""
     if not delta < 1 / examples:

@@ -105,7 +105,7 @@ class BandMF(PrivacyMechanism):
     def __init__(self, recipe: Recipe, context: MechanismContext):
         super().__init__(recipe, context)
         bands = self.options.bands
-        self.rate = sampling_rate(bands, recipe.federated.cohort_size, len(context.users))
+        self.rate = group_sampling_rate(bands, recipe.federated.cohort_size, len(context.users))
         self.groups = torch.tensor(
             [keyed_seed(context.seed, "bandmf-group", user) % bands for user in context.users],
             dtype=torch.int64,
@@ -140,7 +140,7 @@ class BandMF(PrivacyMechanism):
         norms = column_norms(bands, steps)
         return BandMFDescription(
             noise_multiplier=noise_multiplier,
-            sampling_rate=sampling_rate(bands, cohort, population),
+            sampling_rate=group_sampling_rate(bands, cohort, population),
             steps=steps,
             bands=bands,
             column_norm=max(norms),
@@ -232,7 +232,7 @@ class BandMF(PrivacyMechanism):
         self.history.extend(history[i] for i in sorted(history))
 
 
-def sampling_rate(bands: int, cohort: int, population: int) -> float:
+def group_sampling_rate(bands: int, cohort: int, population: int) -> float:
     """q_b = b·S/K: the rate in the eligible group that keeps the expected cohort at S; UserError
     when above 1 (the b groups of K/b users cannot supply S each)."""
     rate = bands * cohort / population
