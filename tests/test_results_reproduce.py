@@ -178,3 +178,33 @@ def test_bad_arguments_are_refused_with_the_reason(tmp_path, specs):
     assert "give record ids or --sample N" in str(neither.exception)
     unknown = reproduce(tmp_path, specs, "0123456789abcdef")
     assert "no record with this id" in str(unknown.exception)
+
+
+@pytest.mark.parametrize("started", [False, True])
+def test_the_run_commands_that_sweeps_and_re_runs_build_parse_as_pflbench_run(tmp_path, started):
+    """sweep and reproduce (results layer) start `python -m pflbench run ...` with option names of
+    the CLI above them: each option they can emit must be one `pflbench run` accepts, with a value
+    where it takes one (parsed by the real command, not run)."""
+    import click
+    import typer
+
+    from pflbench.results.sweep import PlannedRun
+
+    run_dir = tmp_path / "run"
+    if started:
+        run_dir.mkdir()
+        (run_dir / "config.json").write_text("{}")  # begun, not DONE: --resume
+    options = ("--no-progress", "--device", "cpu", "--nproc", "2", "--parallel-clients", "4")
+    options += ("--compile", "--specs", str(tmp_path), "--plugin", "x.py", "--data-root", "d")
+    planned = PlannedRun(
+        task="t", baseline="b", budget="none", seed=3, sets=("federated.cohort_size=8",),
+        run_dir=run_dir, run_args=options,
+    )  # fmt: skip
+    command = planned.command()
+    assert command[1:4] == ["-m", "pflbench", "run"]
+    group = typer.main.get_command(app)
+    run_command = group.get_command(click.Context(group), "run")
+    params = run_command.make_context("run", command[4:]).params
+    assert (params["task"], params["baseline"], params["seed"]) == ("t", "b", 3)
+    assert params["resume" if started else "out"] == run_dir
+    assert params["parallel_clients"] == 4 and params["compile_step"] and params["nproc"] == 2
