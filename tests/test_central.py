@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from pflbench.central import (
+    LAST,
     compare_with_shipped,
     epoch_batches,
     seed_model,
@@ -16,7 +17,7 @@ from pflbench.central import (
     step_decay_lr,
     train_central,
 )
-from pflbench.checkpoint import load_model
+from pflbench.checkpoint import ELAPSED, Elapsed, load_checkpoint, load_model
 from pflbench.data.batching import collate
 from pflbench.data.corpora import Entry
 from pflbench.data.prepare import TaskData
@@ -97,12 +98,15 @@ AUGMENT = SpecAugmentRecipe(time_masks=2, time_width=5)
 def test_resumed_training_equals_uninterrupted_training(tmp_path):
     store = tone_store(tmp_path / "store")
 
+    clocks = []
+
     def trained(steps_then: list[int], folder) -> dict:
         torch.manual_seed(0)
         model = build_model("tiny", vocab_size=tokenizer_for("en").size)
         for steps in steps_then:
             torch.manual_seed(1000 + steps)  # a resumed process starts with other RNG state
             recipe = RECIPE.model_copy(update={"steps": steps})
+            clocks.append(Elapsed())  # each process's run clock
             stats = train_central(
                 model,
                 store,
@@ -112,11 +116,18 @@ def test_resumed_training_equals_uninterrupted_training(tmp_path):
                 seed=3,
                 progress=False,
                 resume_dir=folder,
+                elapsed=clocks[-1],
             )
         return model.state_dict(), stats
 
     straight, stats = trained([4], tmp_path / "a")
     resumed, resumed_stats = trained([2, 4], tmp_path / "b")
+    # The resumed process's clock continues from the first one's checkpointed total, and the
+    # last checkpoint holds both processes' time.
+    first = clocks[2].before
+    assert 0 < first <= clocks[1].seconds()
+    _, meta = load_checkpoint(tmp_path / "b" / LAST)
+    assert first < meta[ELAPSED] <= clocks[2].seconds()
     assert stats["steps_this_run"] == 4 and resumed_stats["steps_this_run"] == 2
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name

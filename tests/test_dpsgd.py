@@ -18,7 +18,14 @@ from hypothesis import strategies as st
 from opacus.accountants import RDPAccountant
 from safetensors.torch import load_file
 from test_privacy_clipping import norm64, within
-from test_run import EXAMPLE_LEVEL, TASK, _config, env, specs_dir  # noqa: F401  (fixtures)
+from test_run import (  # noqa: F401  (fixtures)
+    EXAMPLE_LEVEL,
+    TASK,
+    _config,
+    check_resumed_wall_counts_both_processes,
+    env,
+    specs_dir,
+)
 
 from pflbench.checkpoint import load_checkpoint
 from pflbench.dpsgd import ExampleDPSGD
@@ -465,6 +472,7 @@ def test_kill_and_resume_ends_in_the_same_model(env, tmp_path):  # noqa: F811
     a = load_file(resumed / "checkpoints" / "final.safetensors")
     b = load_file(straight / "checkpoints" / "final.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    check_resumed_wall_counts_both_processes(config, tmp_path / "timed")
 
 
 @pytest.fixture(scope="module")

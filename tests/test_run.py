@@ -19,7 +19,7 @@ import yaml
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from pflbench.checkpoint import load_checkpoint
+from pflbench.checkpoint import ELAPSED, load_checkpoint
 from pflbench.cli import app
 from pflbench.errors import UserError
 from pflbench.fl.distributed import DistContext
@@ -240,6 +240,24 @@ def test_parallel_clients_give_the_same_run_to_float_tolerance(env, tmp_path):
     assert a.keys() == b.keys()
     for name in a:
         torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
+
+
+def check_resumed_wall_counts_both_processes(config, run_dir: Path) -> None:
+    """Run `config` to 2 steps (a killed process), resume it to the end: the record's wall time
+    is the first process's time up to its last checkpoint plus the whole second process."""
+    stopped = RunOptions(progress=False, checkpoint_every=1, stop_after=2)
+    run(config, out_dir=run_dir, options=stopped)
+    _, meta = load_checkpoint(latest_checkpoint(run_dir))
+    first = meta[ELAPSED]
+    started = time.perf_counter()
+    run(config, out_dir=run_dir, resume=True, options=RunOptions(progress=False))
+    second = time.perf_counter() - started
+    record, _ = load_record(run_dir / "record.json")
+    assert 0 < first < record.compute.wall_seconds <= first + second
+
+
+def test_a_resumed_run_s_wall_time_counts_every_process(env, tmp_path):
+    check_resumed_wall_counts_both_processes(_config(env, "perlayer-dim"), tmp_path / "r")
 
 
 def test_resuming_with_other_parallel_clients_is_refused(env, tmp_path):

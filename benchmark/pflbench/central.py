@@ -30,6 +30,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeRemaini
 from torch import Tensor, nn
 
 from pflbench.checkpoint import (
+    ELAPSED,
+    Elapsed,
     load_checkpoint,
     load_model,
     meta_path,
@@ -201,11 +203,12 @@ def train_central(
     progress: bool = True,
     resume_dir: Path | None = None,
     ctx: DistContext = DistContext(),
+    elapsed: Elapsed | None = None,
 ) -> dict:
     """Train `model` in place for recipe.steps steps; returns stats, with the per-parameter sums
     of squared gradient norms over all steps (`layer_grad_sq_sums`). With `resume_dir`, the state
     is checkpointed there (by rank 0) every ~10% of the steps and a previous partial run with the
-    same number of processes is continued."""
+    same number of processes is continued; `elapsed` (a run's clock) is checkpointed with it."""
     if ctx.world_size > 1 and (model.cfg.dropout > 0 or model.cfg.layer_drop > 0):
         raise UserError(
             f"seed training on {ctx.world_size} processes needs model dropout and layer_drop 0 "
@@ -231,6 +234,8 @@ def train_central(
         load_optimizer_tensors(opt, tensors)
         grad_sq.copy_(tensors[GRAD_SQ])
         start = int(meta["step"])
+        if elapsed is not None:
+            elapsed.resume(meta)
     utterances = list(store)  # the seed corpus is held in memory for the run
     batches = epoch_batches([u.seconds for u in utterances], recipe, seed)
     save_every = max(1, recipe.steps // 10)
@@ -260,7 +265,8 @@ def train_central(
                 save_checkpoint(
                     last,
                     {**model.state_dict(), **optimizer_tensors(opt), GRAD_SQ: grad_sq},
-                    {"step": step + 1, "seed": seed, "processes": ctx.world_size},
+                    {"step": step + 1, "seed": seed, "processes": ctx.world_size}
+                    | ({ELAPSED: elapsed.seconds()} if elapsed is not None else {}),
                 )
     wall = time.perf_counter() - t0
     tail = losses[-10:]

@@ -10,6 +10,7 @@ Both files are written to a temporary name and renamed, so a crash never leaves 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict
 from pathlib import Path
 
@@ -21,6 +22,25 @@ from torch import Tensor
 from pflbench.errors import UserError
 from pflbench.files import atomic_write, atomic_write_text
 from pflbench.model.transformer import CTCTransformer, ModelConfig
+
+ELAPSED = "elapsed_seconds"  # a checkpoint's metadata: the job's wall seconds up to it
+
+
+class Elapsed:
+    """The wall seconds of a resumable job over all its processes: each checkpoint stores the
+    total so far (meta ELAPSED) and a resumed job continues from it, so a record's compute is
+    the work that made the result, not only its last process's. Time a killed process spent
+    after its last checkpoint is redone, and counted once."""
+
+    def __init__(self) -> None:
+        self.before, self.started = 0.0, time.perf_counter()
+
+    def resume(self, meta: dict) -> None:
+        """Continue from a checkpoint's total (0 for checkpoints written before it was kept)."""
+        self.before = float(meta.get(ELAPSED, 0.0))
+
+    def seconds(self) -> float:
+        return self.before + time.perf_counter() - self.started
 
 
 def meta_path(path: Path) -> Path:

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from pflbench.central import set_cpu_threads
-from pflbench.checkpoint import load_checkpoint, save_checkpoint, save_model
+from pflbench.checkpoint import ELAPSED, Elapsed, load_checkpoint, save_checkpoint, save_model
 from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
 from pflbench.evaluate import evaluate_task, seed_model_summary
@@ -87,6 +87,7 @@ class Prepared:
     model: torch.nn.Module
     seed_path: Path | None
     config_hash: str  # computed once: checkpoints and the record carry it
+    elapsed: Elapsed  # the run's wall time, over its resumed processes too
 
 
 @dataclass
@@ -111,7 +112,7 @@ def run(
     options: RunOptions = RunOptions(),
 ) -> Path:
     """Run (or resume) a run; returns its directory."""
-    started = time.perf_counter()
+    elapsed = Elapsed()
     check_run_privacy(config)
     check_client_recipe(config.recipe.federated.client)
     set_cpu_threads()
@@ -128,11 +129,12 @@ def run(
         if not data.federated_train.users():
             raise UserError(f"task {config.task.name!r}: the federated training data has no users")
         prepared = Prepared(
-            config, run_dir, ctx, device, options, data, model, seed_path, config_hash(config)
-        )
+            config, run_dir, ctx, device, options, data, model, seed_path, config_hash(config),
+            elapsed,
+        )  # fmt: skip
         outcome = TRAININGS[config.recipe.training](prepared)
         if outcome is not None and ctx.is_main:
-            _finish(prepared, outcome, time.perf_counter() - started)
+            _finish(prepared, outcome, elapsed.seconds())
         return run_dir
     finally:
         shutdown()
@@ -275,6 +277,7 @@ def _federated_state(p: Prepared) -> FederatedState:
     )  # fmt: skip
     if tensors is not None:
         sim.load_state_dict(tensors)
+        p.elapsed.resume(meta)
     seed_summary = meta.get("seed_results")
     if p.ctx.is_main and seed_summary is None:
         seed_summary = seed_model_summary(sim.model, p.data, config, p.device, p.seed_path)
@@ -295,6 +298,7 @@ def _save_federated_checkpoint(p: Prepared, state: FederatedState) -> None:
         "config_hash": p.config_hash,
         "parallel_clients": p.options.parallel_clients,
         "compile_backend": p.options.compile_backend,
+        ELAPSED: p.elapsed.seconds(),
     }
     save_checkpoint(path, sim.state_dict(), meta)
     prune_checkpoints(p.run_dir, path)
@@ -338,6 +342,7 @@ def fine_tune_central(p: Prepared) -> Outcome | None:
         seed=keyed_seed(p.config.seed, "fine-tune"),
         progress=p.options.progress,
         resume_dir=p.run_dir / "checkpoints",
+        elapsed=p.elapsed,
     )
     return _evaluated_as_is(p, seed_summary)
 
@@ -382,13 +387,14 @@ def train_example_dpsgd(p: Prepared) -> Outcome | None:
     )
     if tensors is not None:
         trainer.load_state_dict(tensors, meta["step"])
+        p.elapsed.resume(meta)
     history = meta.get("metrics", [])
 
     def save() -> None:
         path = p.run_dir / "checkpoints" / f"step-{trainer.step:07d}.safetensors"
         save_checkpoint(path, trainer.state_dict(), {
             "step": trainer.step, "trained": trained, "metrics": history,
-            "config_hash": p.config_hash,
+            "config_hash": p.config_hash, ELAPSED: p.elapsed.seconds(),
         })  # fmt: skip
         prune_checkpoints(p.run_dir, path)
 

@@ -254,7 +254,13 @@ class CpuKernels(Strict):
 class Compute(Strict):
     """Optional fields are unknown for reference rows (a paper rarely reports them)."""
 
-    wall_seconds: float | None = Field(None, ge=0)
+    wall_seconds: float | None = Field(
+        None,
+        ge=0,
+        description="The run's wall time over all its processes: a resumed run adds the earlier"
+        " processes' time up to the checkpoint it resumed from (records before 2026-11-25: the"
+        " last process only).",
+    )
     device: str | None = None
     device_name: str | None = None
     num_processes: int | None = Field(None, ge=1)
