@@ -441,14 +441,17 @@ def _object_without_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict:
     return found
 
 
-def read_json_file(path: Path, limit: int = MAX_RECORD_BYTES) -> Any:
-    """JSON from a file of at most `limit` bytes (NaN and duplicate keys refused)."""
+def read_json_file(path: Path) -> Any:
+    """JSON from a file of at most MAX_RECORD_BYTES (a record, or a file filed beside one: its
+    config, its verification stamp), NaN and duplicate keys refused."""
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{path}: no such file")
     size = path.stat().st_size
-    if size > limit:
-        raise UserError(f"{path}: {size} bytes is over the {limit}-byte limit for a record")
+    if size > MAX_RECORD_BYTES:
+        raise UserError(
+            f"{path}: {size} bytes is over the {MAX_RECORD_BYTES}-byte limit for a result file"
+        )
     try:
         return json.loads(
             path.read_bytes(),
