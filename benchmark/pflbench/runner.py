@@ -262,7 +262,7 @@ class FederatedState:
 def _federated_state(p: Prepared) -> FederatedState:
     """A fresh federated run, or the one its latest checkpoint left."""
     config = p.config
-    tensors, meta = _latest_state(p.run_dir, p.options)
+    tensors, meta = _latest_state(p)
     if "trained" in meta:
         trained = meta["trained"]
     else:
@@ -277,7 +277,6 @@ def _federated_state(p: Prepared) -> FederatedState:
     )  # fmt: skip
     if tensors is not None:
         sim.load_state_dict(tensors)
-        p.elapsed.resume(meta)
     seed_summary = meta.get("seed_results")
     if p.ctx.is_main and seed_summary is None:
         seed_summary = seed_model_summary(sim.model, p.data, config, p.device, p.seed_path)
@@ -289,24 +288,30 @@ def _save_federated_checkpoint(p: Prepared, state: FederatedState) -> None:
     if not p.ctx.is_main:
         return
     sim = state.sim
-    path = p.run_dir / "checkpoints" / f"step-{sim.step:07d}.safetensors"
     meta = {
-        "step": sim.step,
         "trained": state.trained,
         "metrics": state.history,
         "seed_results": state.seed_summary,
-        "config_hash": p.config_hash,
         "parallel_clients": p.options.parallel_clients,
         "compile_backend": p.options.compile_backend,
-        ELAPSED: p.elapsed.seconds(),
     }
-    save_checkpoint(path, sim.state_dict(), meta)
-    prune_checkpoints(p.run_dir, path)
+    _save_step_checkpoint(p, sim.step, sim.state_dict(), meta)
     sim.checkpointed()
 
 
-def _latest_state(run_dir: Path, options: RunOptions) -> tuple[dict | None, dict]:
-    """The latest step checkpoint's tensors and metadata, (None, {}) before the first."""
+def _save_step_checkpoint(p: Prepared, step: int, tensors: dict, meta: dict) -> None:
+    """A training's checkpoint after `step` steps, with what every one carries (the config hash,
+    the run's elapsed time); older ones pruned."""
+    path = p.run_dir / "checkpoints" / f"step-{step:07d}.safetensors"
+    meta = {"step": step, **meta, "config_hash": p.config_hash, ELAPSED: p.elapsed.seconds()}
+    save_checkpoint(path, tensors, meta)
+    prune_checkpoints(p.run_dir, path)
+
+
+def _latest_state(p: Prepared) -> tuple[dict | None, dict]:
+    """The latest step checkpoint's tensors and metadata, (None, {}) before the first; the run's
+    clock continues from it."""
+    run_dir, options = p.run_dir, p.options
     checkpoint = latest_checkpoint(run_dir)
     if checkpoint is None:
         return None, {}
@@ -323,6 +328,7 @@ def _latest_state(run_dir: Path, options: RunOptions) -> tuple[dict | None, dict
             f"{run_dir} was run with the local step {was or 'eager'}; resume it the same way"
             f" (`--compile`: inductor), not {now or 'eager'}"
         )
+    p.elapsed.resume(meta)
     return tensors, meta
 
 
@@ -375,7 +381,7 @@ def train_example_dpsgd(p: Prepared) -> Outcome | None:
     batch = expected_batch([u.seconds for u in utterances], schedule.batch_seconds)
     q = sampling_rate(examples, batch)
     noise_multiplier = example_noise_multiplier(budget, q, steps)
-    tensors, meta = _latest_state(p.run_dir, options)
+    tensors, meta = _latest_state(p)
     if "trained" in meta:
         trained = meta["trained"]
     else:
@@ -387,16 +393,11 @@ def train_example_dpsgd(p: Prepared) -> Outcome | None:
     )
     if tensors is not None:
         trainer.load_state_dict(tensors, meta["step"])
-        p.elapsed.resume(meta)
     history = meta.get("metrics", [])
 
     def save() -> None:
-        path = p.run_dir / "checkpoints" / f"step-{trainer.step:07d}.safetensors"
-        save_checkpoint(path, trainer.state_dict(), {
-            "step": trainer.step, "trained": trained, "metrics": history,
-            "config_hash": p.config_hash, ELAPSED: p.elapsed.seconds(),
-        })  # fmt: skip
-        prune_checkpoints(p.run_dir, path)
+        meta = {"trained": trained, "metrics": history}
+        _save_step_checkpoint(p, trainer.step, trainer.state_dict(), meta)
 
     log = MetricsLog(p.run_dir, history, trainer.step)
     try:
