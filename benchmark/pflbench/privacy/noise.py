@@ -35,6 +35,12 @@ def noise_generator(
     return keyed_generator(seed, step, "noise", *who, device=device)
 
 
+def release_generator(seed: int, step: int, release: str) -> torch.Generator:
+    """A fresh CPU generator for the noise of a named release beside the average at one step
+    (adaptive clipping's count): keyed apart from the server's and every user's streams."""
+    return keyed_generator(seed, step, "noise", release)
+
+
 def add_gaussian_noise(update: dict[str, Tensor], std: float, generator: torch.Generator) -> None:
     """Add N(0, std^2) to every element in place; drawn in fp32 per tensor in dict order, so the
     draw does not depend on the update's dtype."""

@@ -47,9 +47,9 @@ from pflbench.privacy.noise import (
     add_gaussian_noise,
     client_noise_std,
     noise_generator,
+    release_generator,
     server_noise_std,
 )
-from pflbench.seeds import keyed_generator
 from pflbench.spec.models import PrivacyRecipe
 
 # Client-side noise widens the range of an update's elements in the fixed-point sum: it is taken
@@ -198,7 +198,7 @@ class ReleaseUnclippedFraction:
     seed: int
 
     def apply(self, unclipped: float, participants: float, step: int) -> float:
-        generator = keyed_generator(self.seed, step, "noise", "adaptive-clip")
+        generator = release_generator(self.seed, step, "adaptive-clip")
         return noisy_unclipped_fraction(
             unclipped, participants, self.denominator, self.bit_noise, generator
         )
