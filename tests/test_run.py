@@ -96,6 +96,8 @@ def test_each_baseline_writes_a_valid_record(env, tmp_path, baseline):
     assert record.privacy.dp == (budget != "none")
     # What an algorithm sends beside Δ is named in the privacy statement.
     assert (record.privacy.payload is not None) == (baseline == "scaffold")
+    # Users' state (SCAFFOLD's control variates) is for resuming: none is left once the run ends.
+    assert not (run_dir / "user-state").exists()
     assert record.compute.central_steps == 3 and record.diagnostics.nonfinite_updates == 0
     assert re.fullmatch(r"[0-9a-f]{64}", record.data.digests["seed_model"])  # starting weights
     assert set(record.data.audio_digests) == set(record.data.digests) - {"seed_model"}

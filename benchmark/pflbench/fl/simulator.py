@@ -182,8 +182,14 @@ class Simulator:
         return {"step": step, "lr": lr, **stats}
 
     def checkpointed(self) -> None:
-        """After a checkpoint at this step: drop the users' states no resume can read."""
-        self.algorithm.context.user_states.prune(self.step)
+        """After a checkpoint at this step: drop the users' states no resume can read, all of
+        them after the last step (SCAFFOLD's are a model's size per user: ~15 GB in a run of
+        the embedded task)."""
+        states = self.algorithm.context.user_states
+        if self.step >= self.recipe.federated.central_steps:
+            states.clear()
+        else:
+            states.prune(self.step)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         tensors = {f"model.{k}": v for k, v in self.model.state_dict().items()}

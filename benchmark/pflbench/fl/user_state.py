@@ -12,6 +12,7 @@ written by whichever process trains it, before the step's all-reduce, and read b
 from __future__ import annotations
 
 import hashlib
+import shutil
 from pathlib import Path
 
 import torch
@@ -58,6 +59,10 @@ class UserStateStore:
             older = sorted(v for v in self._versions(folder) if v < step)
             for version in older[:-1]:
                 (folder / f"{version:07d}.safetensors").unlink(missing_ok=True)
+
+    def clear(self) -> None:
+        """Drop every version: after a run's last step no resume reads any."""
+        shutil.rmtree(self.root, ignore_errors=True)
 
     def _folders(self) -> list[Path]:
         return [p for p in self.root.iterdir() if p.is_dir()] if self.root.is_dir() else []
