@@ -276,6 +276,32 @@ def test_exact_sum_refuses_fp64_updates_in_narrow_cuda_scratch():
         narrow.add({"w": values})
 
 
+def one_buffer(update: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The update as back-to-back views of one flat buffer, as fl.local_update leaves Δ."""
+    buffer = torch.cat([t.reshape(-1) for t in update.values()])
+    pieces = buffer.split([t.numel() for t in update.values()])
+    return {n: p.view(t.shape) for (n, t), p in zip(update.items(), pieces, strict=True)}
+
+
+@pytest.mark.parametrize("block", [7, 1000, 2**18])
+def test_a_cpu_sum_block_by_block_holds_each_elements_own_integer(monkeypatch, block):
+    """On a CPU a term is quantized and added in blocks, which cut across tensors (separate
+    ones) and through a flat buffer: the int64 sum is still Σ round(x·scale) element by element,
+    computed here in fp64 over the whole term."""
+    from pflbench.privacy import aggregate
+
+    monkeypatch.setattr(aggregate, "CPU_BLOCK", block)
+    users = clipped_users(5, clip_bound=0.5)
+    separate, spans = ExactSum(zeros(), max_abs=0.5), ExactSum(zeros(), max_abs=0.5)
+    assert separate._scaled.numel() == min(block, flat(users[0]).numel())
+    for user in users:
+        separate.add(user)
+        spans.add(one_buffer(user))
+    want = sum(torch.round(flat(u) * separate.scale).to(torch.int64) for u in users)
+    assert torch.equal(separate.buffers()[0], want)
+    assert torch.equal(spans.buffers()[0], want)
+
+
 def test_an_update_lying_in_one_flat_buffer_sums_exactly_as_separate_tensors():
     """Δ as views of one buffer (fl.local_update) is scaled in place of being gathered: the same
     integers. Views that are not back to back take the gather path."""
@@ -285,16 +311,12 @@ def test_an_update_lying_in_one_flat_buffer_sums_exactly_as_separate_tensors():
     sizes = [t.numel() for t in zeros().values()]
     separate, spans = ExactSum(zeros(), max_abs=0.5), ExactSum(zeros(), max_abs=0.5)
     for user in users:
-        buffer = torch.cat([t.reshape(-1) for t in user.values()])
-        views = {
-            n: piece.view(t.shape)
-            for (n, t), piece in zip(user.items(), buffer.split(sizes), strict=True)
-        }
-        assert _one_span(list(views.values()), spans._scaled) is not None
+        views = one_buffer(user)
+        assert _one_span(list(views.values()), spans._partial) is not None
         separate.add({n: t.clone() for n, t in user.items()})
         spans.add(views)
     assert torch.equal(separate.buffers()[0], spans.buffers()[0])
-    like = separate._scaled
+    like = separate._partial
     pieces = [t.clone() for t in users[0].values()]
     assert _one_span(pieces, like) is None  # separate allocations
     buffer = torch.zeros(like.numel() + 1)

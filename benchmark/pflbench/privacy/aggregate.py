@@ -11,6 +11,12 @@ int64 conversion and an int64 add take two) and the partial sum joins the int64 
 could leave that range. The result is the int64 sum's, bit for bit. A sum that never left its
 first run and is not all-reduced (one process, a cohort's worth of terms) needs no int64 buffer
 at all: its partial sum is the sum.
+
+On a CPU a term is quantized and added block by block, each block small enough that its passes
+(widen, scale, round, add) run in cache: elementwise, so the integers are the same, in ~40% less
+time where the model's fp64 buffers exceed the cache (a 4.89M-element term on the 2-core AMD EPYC:
+5.8 → 3.7 ms on one thread; 1.09M elements: unchanged). A GPU takes each pass over the whole term
+at once (one kernel per pass).
 """
 
 from __future__ import annotations
@@ -24,6 +30,9 @@ from torch import Tensor
 INT_BUDGET_BITS = 62
 # fp64 holds every integer up to 2^53 exactly.
 FP64_EXACT_BITS = 53
+# Elements per block on a CPU: 4 MB of fp64 scratch; the fastest of 2^15..2^20 measured on the
+# 2-core AMD EPYC for a 4.89M-element term.
+CPU_BLOCK = 1 << 19
 
 
 class ExactSum:
@@ -60,7 +69,9 @@ class ExactSum:
         self._partial = torch.zeros(total, dtype=torch.float64, device=device)
         self._partial_terms = 0
         dtype = scratch_dtype([t.dtype for t in like.values()], device, self.scale)
-        self._scaled = torch.empty(total, dtype=dtype, device=device)
+        # A CPU's scratch is one block (module docstring), a GPU's the whole term.
+        self._block = max(1, min(total, CPU_BLOCK)) if device.type == "cpu" else None
+        self._scaled = torch.empty(self._block or total, dtype=dtype, device=device)
 
     def add(self, update: dict[str, Tensor], largest: float | None = None) -> None:
         """Add one term. `largest`: a proven bound on its elements (the privacy steps derive one
@@ -80,22 +91,41 @@ class ExactSum:
                 raise ValueError(
                     f"an element of magnitude {largest} exceeds max_abs={self.max_abs}"
                 )
-        # Quantize: x·scale (exact: a power of two), rounded half to even.
-        span = _one_span(tensors, self._scaled)
-        if span is None:  # separate tensors: gathered (and widened) first
-            torch.cat([t.reshape(-1) for t in tensors], out=self._scaled)
-            self._scaled.mul_(self.scale)
-        elif span.dtype == self._scaled.dtype:  # one pass fewer: no gather
-            torch.mul(span, self.scale, out=self._scaled)
-        else:  # widened by a vectorized copy (scratch_dtype)
-            self._scaled.copy_(span)
-            self._scaled.mul_(self.scale)
-        self._scaled.round_()
         if self._partial_terms == self.terms_per_partial:
             self._flush()
-        self._partial.add_(self._scaled)  # integers, the sum within 2^53: exact
+        span = _one_span(tensors, self._partial)
+        if self._block is None:
+            self._add_whole(tensors, span)
+        else:  # block by block: a span's, or each tensor's (no gather)
+            pieces = [span] if span is not None else [t.reshape(-1) for t in tensors]
+            start = 0
+            for piece in pieces:
+                for offset in range(0, piece.numel(), self._block):
+                    values = piece[offset : offset + self._block]
+                    end = start + values.numel()
+                    self._quantize(values, self._scaled[: values.numel()])
+                    self._partial[start:end].add_(self._scaled[: values.numel()])  # exact
+                    start = end
         self._partial_terms += 1
         self.terms += 1
+
+    def _add_whole(self, tensors: list[Tensor], span: Tensor | None) -> None:
+        """One pass each over the whole term, into the whole-term scratch."""
+        if span is None:  # separate tensors: gathered (and widened) first
+            torch.cat([t.reshape(-1) for t in tensors], out=self._scaled)
+            self._scaled.mul_(self.scale).round_()
+        else:
+            self._quantize(span, self._scaled)
+        self._partial.add_(self._scaled)  # integers, the sum within 2^53: exact
+
+    def _quantize(self, values: Tensor, out: Tensor) -> None:
+        """out = values·scale (exact: a power of two), rounded half to even."""
+        if values.dtype == out.dtype:  # one pass fewer: no copy
+            torch.mul(values, self.scale, out=out)
+        else:  # widened by a vectorized copy (scratch_dtype)
+            out.copy_(values)
+            out.mul_(self.scale)
+        out.round_()
 
     def _flush(self) -> None:
         """Move the fp64 partial sum into the int64 sum (integral values: the conversion is
