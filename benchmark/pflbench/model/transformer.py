@@ -53,6 +53,8 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(dim=64, layers=2, heads=2, mlp=128, dropout=0.0, layer_drop=0.0),
     "synth-cpu": ModelConfig(dim=144, layers=4, heads=4, mlp=576, dropout=0.0, layer_drop=0.0),
+    # 4.89M parameters: the embedded task's v5 model (docs/RESULTS.md, "Model size").
+    "synth-cpu-m": ModelConfig(dim=256, layers=6, heads=4, mlp=1024, dropout=0.0, layer_drop=0.0),
     "paper-255m": ModelConfig(dim=768, layers=36, heads=4, mlp=3072, dropout=0.3, layer_drop=0.3),
 }
 
