@@ -10,7 +10,7 @@ clipping at the recipe's 1.0 in both), and a plain FedAvg server (SGD at lr 1, n
 - `none`: no DP. pflbench's `fedavg` baseline (no clipping); pfl without postprocessors (its
   updates' default weight 1 already gives the unweighted mean).
 - `dp`: the matched ε 7.2 budget. pflbench's `global` baseline (‖Δ‖ ≤ C = 0.01, N(0, (C·σ_DP)²)
-  on the mean, σ_DP of eps7.2-synth-cohort-matched); pfl's
+  on the mean, σ_DP of the task's default budget, e.g. eps7.2-synth-m-cohort-matched); pfl's
   CentrallyAppliedPrivacyMechanism(GaussianMechanism(C, σ_DP·16)): pfl noises the sum, then
   averages, so its noise on the mean is the same C·σ_DP.
 
@@ -85,8 +85,7 @@ from pflbench.spec.registry import load_registry
 from pflbench.spec.resolve import resolve
 
 TASK = "synth-cv-en-ls-seed"
-DP_BUDGET = "eps7.2-synth-cohort-matched"
-CONFIGS = {"none": ("fedavg", "none"), "dp": ("global", DP_BUDGET)}  # (baseline, budget)
+CONFIGS = {"none": "fedavg", "dp": "global"}  # baseline; `dp` runs at the task's default budget
 RUN_SEED = 0
 PFL_PREFIX = "net."  # pfl's names of the model's tensors: the wrapper's attribute, then ours
 
@@ -98,7 +97,8 @@ PFL_PREFIX = "net."  # pfl's names of the model's tensors: the wrapper's attribu
 def workload(dp: str, steps: int):
     """The RunConfig both systems run: the task's recipe with a fixed cohort and a plain FedAvg
     server, under `dp`'s baseline and budget."""
-    baseline, budget = CONFIGS[dp]
+    registry = load_registry()
+    budget = registry.task(TASK).spec.budgets[0] if dp == "dp" else "none"
     sets = [
         "federated.sampling=fixed",
         "federated.server.optimizer=sgd",
@@ -106,7 +106,7 @@ def workload(dp: str, steps: int):
         "federated.server.decay.rate=1.0",
         f"federated.central_steps={steps}",
     ]
-    config = resolve(load_registry(), TASK, baseline, budget, RUN_SEED, sets)
+    config = resolve(registry, TASK, CONFIGS[dp], budget, RUN_SEED, sets)
     check_run_privacy(config)
     return config
 

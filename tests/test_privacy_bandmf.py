@@ -246,11 +246,11 @@ def test_a_budget_calibrates_bandmf_to_its_epsilon_and_refuses_extrapolating_pas
 def test_submit_re_accounts_a_bandmf_record_and_catches_a_tampered_one():
     registry = load_registry()
     config = resolve(
-        registry, "synth-cv-en-ls-seed", "bandmf-perlayer-dim", "eps7.2-synth-cohort-matched"
+        registry, "synth-cv-en-ls-seed", "bandmf-perlayer-dim", "eps7.2-synth-m-cohort-matched"
     )
     claim = json.loads(json.dumps(privacy_claim(config, run_sigma_dp(config), 1200)))
     assert "BandMF DP-FTRL with 8 bands" in claim["mechanism"] and "Thm. 4" in claim["how"]
-    assert claim["simulated"]["bandmf"]["as_sampled_gaussian"]["steps"] == 5
+    assert claim["simulated"]["bandmf"]["as_sampled_gaussian"]["steps"] == 80 // 8  # T / bands
     check_record_privacy(claim, config, config.budget, "record")
     tampered = [
         ("extrapolated", "bandmf", "column_norm", 1.5),  # a larger z/‖Ce‖: a smaller ε

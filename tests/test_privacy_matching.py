@@ -27,11 +27,20 @@ def registry():
     return load_registry()
 
 
-@pytest.mark.parametrize("name", ["eps7.2-synth-matched", "eps4.5-synth-matched"])
-def test_shipped_matched_budgets_match_the_paper_noise_to_clip_ratio(registry, name):
+# The budgets matched for synth-cpu (task v4, synth-cv-en-scratch) and synth-cpu-m (task v5).
+MATCHED = [
+    ("eps7.2-synth-matched", "synth-cpu"),
+    ("eps4.5-synth-matched", "synth-cpu"),
+    ("eps7.2-synth-m-matched", "synth-cpu-m"),
+    ("eps4.5-synth-m-matched", "synth-cpu-m"),
+]
+
+
+@pytest.mark.parametrize("name, preset", MATCHED)
+def test_shipped_matched_budgets_match_the_paper_noise_to_clip_ratio(registry, name, preset):
     budget = registry.budget(name).spec
     paper = registry.budget(budget.matches).spec
-    assert budget.matched_parameters == model_parameters("synth-cpu")
+    assert budget.matched_parameters == model_parameters(preset)
     # Same guarantee shape: ε, δ, T and (to rounding of the cohort) q; hence the same z.
     assert (budget.epsilon, budget.delta, budget.steps) == (paper.epsilon, paper.delta, paper.steps)
     assert budget.cohort / budget.population == pytest.approx(
@@ -41,9 +50,12 @@ def test_shipped_matched_budgets_match_the_paper_noise_to_clip_ratio(registry, n
     assert ours["noise_multiplier"] == pytest.approx(theirs["noise_multiplier"], rel=1e-3)
     report = match_report(budget, paper, model_parameters(PAPER_PRESET))
     assert abs(report["relative_difference"]) < 1e-3
-    # ... and the match is not trivially true: the paper budget itself is ~15x weaker here.
+    # ... and the match is not trivially true: the paper budget itself is sqrt(d_paper / d)
+    # times weaker here (~15x for synth-cpu, ~7x for synth-cpu-m).
     weak = noise_to_clip_ratio(theirs["sigma_dp"], budget.matched_parameters)
-    assert report["noise_to_clip_ratio"] / weak > 10
+    d_ratio = model_parameters(PAPER_PRESET) / budget.matched_parameters
+    assert report["noise_to_clip_ratio"] / weak == pytest.approx(math.sqrt(d_ratio), rel=1e-2)
+    assert d_ratio > 40
     assert matched_scale(paper, budget.matched_parameters, model_parameters(PAPER_PRESET)) == {
         "epsilon": budget.epsilon,
         "delta": budget.delta,
@@ -55,10 +67,12 @@ def test_shipped_matched_budgets_match_the_paper_noise_to_clip_ratio(registry, n
     }
 
 
-@pytest.mark.parametrize("name", ["eps7.2-synth-cohort-matched", "eps4.5-synth-cohort-matched"])
-def test_cohort_matched_budgets_keep_the_paper_dp_to_sampling_noise_ratio(registry, name):
+@pytest.mark.parametrize("name, preset", MATCHED)
+def test_cohort_matched_budgets_keep_the_paper_dp_to_sampling_noise_ratio(registry, name, preset):
+    name = name.replace("-matched", "-cohort-matched")
     budget = registry.budget(name).spec
     paper = registry.budget(budget.matches).spec
+    assert budget.matched_parameters == model_parameters(preset)
     synth_task = registry.task("synth-cv-en-ls-seed").spec
     assert budget.matched_cohort == synth_task.recipe.federated.cohort_size
     d, d_paper = budget.matched_parameters, model_parameters(PAPER_PRESET)

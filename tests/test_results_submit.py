@@ -655,10 +655,11 @@ def test_a_config_from_before_client_algorithms_were_named_is_read_as_it_ran(cli
 def test_a_run_of_a_task_with_a_shipped_seed_model_names_that_model():
     """A filed run of the embedded task (results/), its seed-model digest replaced and its id
     recomputed: every run of the task starts from the shipped seed model, so it is refused."""
-    path = REPO_RESULTS / "synth-cv-en-ls-seed" / "eps7.2-synth-cohort-matched"
-    raw = json.loads((path / "9c0c288e94e0c126.json").read_text())
     builtin = load_registry()
-    validate_record(*load_record(path / "9c0c288e94e0c126.json"), builtin, "filed")
+    default_budget = builtin.task("synth-cv-en-ls-seed").spec.budgets[0]
+    filed = sorted((REPO_RESULTS / "synth-cv-en-ls-seed" / default_budget).glob("*.json"))[0]
+    raw = json.loads(filed.read_text())
+    validate_record(*load_record(filed), builtin, "filed")
     raw["data"]["digests"]["seed_model"] = "0" * 64
     record = finalize_id_only(raw)
     with pytest.raises(UserError, match="seed_model is '0{64}', but every run of this task"):
