@@ -325,3 +325,27 @@ def test_an_update_lying_in_one_flat_buffer_sums_exactly_as_separate_tensors():
     assert _one_span(shifted[::-1], like) is None  # out of order
     assert _one_span([p.double() for p in shifted], like) is None  # separate allocations
     assert _one_span(shifted[:-1], like) is None  # short of the sum's size
+
+
+def test_a_restarted_sum_is_a_fresh_one_bit_for_bit():
+    """A run's steps sum into one ExactSum (restart): after a step that ended through the int64
+    buffer or the fp64 one, at another bound (another scale), the sum is a fresh ExactSum's."""
+    users = clipped_users(6, clip_bound=0.5)
+    reused = ExactSum(zeros(), max_abs=0.5)
+    for u in users:
+        reused.add(u)
+    reused.buffers()  # the int64 path, as when all-reduced
+    reused.result()
+    for max_abs, through_int64 in ((0.01, False), (0.5, True), (2.0**-30, False)):
+        reused.restart(max_abs)
+        fresh = ExactSum(zeros(), max_abs=max_abs)
+        assert reused.scale == fresh.scale and reused.terms == 0
+        for u in clipped_users(4, clip_bound=max_abs):
+            reused.add(u)
+            fresh.add(u)
+        if through_int64:
+            assert torch.equal(reused.buffers()[0], fresh.buffers()[0])
+        got, want = reused.result(torch.float64), fresh.result(torch.float64)
+        assert all(torch.equal(got[n], want[n]) for n in want)
+    with pytest.raises(ValueError, match="max_abs"):
+        reused.restart(float("nan"))

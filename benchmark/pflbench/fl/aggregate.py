@@ -36,13 +36,20 @@ class StepAggregator:
         mechanism: PrivacyMechanism,
         step: int,
         update_bound: float,
+        workspace: ExactSum | None = None,
     ):
-        """`update_bound`: the largest element of an unclipped update (or payload)."""
+        """`update_bound`: the largest element of an unclipped update (or payload).
+        `workspace`: an earlier step's ended sum (of the same tensors) to sum into again."""
         self.like = like
         self.names = list(like)
         self.mechanism, self.step = mechanism, step
         self.bound = mechanism.clip_bound  # C_t
-        self.sum = ExactSum(like, max_abs=mechanism.largest_element(update_bound))
+        max_abs = mechanism.largest_element(update_bound)
+        if workspace is None:
+            self.sum = ExactSum(like, max_abs=max_abs)
+        else:
+            workspace.restart(max_abs)
+            self.sum = workspace
         num_layers = len(self.names)
         # The counters are Python floats (fp64 sums like a tensor's, without a tensor op per
         # client); they join the norm sums in one stats tensor at the end (HEAD).

@@ -39,6 +39,7 @@ from pflbench.fl.distributed import DistContext, assign_users, barrier
 from pflbench.fl.parallel import ParallelClientTrainer
 from pflbench.fl.server import ServerOptimizer, exponential_decay_lr
 from pflbench.fl.user_state import UserStateStore
+from pflbench.privacy.aggregate import ExactSum
 from pflbench.privacy.audit import CanaryAudit
 from pflbench.privacy.mechanisms import PRIVACY_MECHANISMS, MechanismContext
 from pflbench.spec.models import Recipe
@@ -150,6 +151,7 @@ class Simulator:
         self.payload_like = dict(zip(self.names, self.params, strict=True))
         self.payload_like |= self.algorithm.payload_like()
         self.payload_names = list(self.payload_like)[len(self.names) :]  # beside Δ
+        self._sum_workspace: ExactSum | None = None  # the last step's sum (StepAggregator)
         self.step = 0
         self.aggregation_seconds = 0.0  # per-user privacy steps and exact sum (`bench fl`)
 
@@ -163,7 +165,10 @@ class Simulator:
     def run_step(self) -> dict:
         """One central step; returns its stats (identical on every rank)."""
         step = self.step
-        aggregator = StepAggregator(self.payload_like, self.mechanism, step, self.update_bound)
+        aggregator = StepAggregator(
+            self.payload_like, self.mechanism, step, self.update_bound, self._sum_workspace
+        )
+        self._sum_workspace = aggregator.sum  # the next step sums in its buffers
         mine = self.my_users(step)
         if self.audit is not None:
             mine = self.audit.fold_in(aggregator, mine)

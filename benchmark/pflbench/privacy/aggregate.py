@@ -48,30 +48,43 @@ class ExactSum:
     """
 
     def __init__(self, like: dict[str, Tensor], max_abs: float, max_terms: int = 2**20):
-        if not (max_abs > 0 and math.isfinite(max_abs)) or max_terms < 1:
-            raise ValueError(f"need max_abs > 0 and max_terms >= 1, got {max_abs}, {max_terms}")
-        self.max_abs = float(max_abs)
+        if max_terms < 1:
+            raise ValueError(f"need max_terms >= 1, got {max_terms}")
         self.max_terms = max_terms
-        headroom = 2.0**INT_BUDGET_BITS / (max_terms * self.max_abs)
-        self.scale = 2.0 ** math.floor(math.log2(headroom))
-        self.terms = 0
         self._names = list(like)
         self._shapes = [t.shape for t in like.values()]
         self._sizes = [t.numel() for t in like.values()]
-        device = next(iter(like.values())).device if like else torch.device("cpu")
+        self._dtypes = [t.dtype for t in like.values()]
+        self._device = next(iter(like.values())).device if like else torch.device("cpu")
         total = sum(self._sizes)
+        self._partial = torch.empty(total, dtype=torch.float64, device=self._device)
+        # A CPU's scratch is one block (module docstring), a GPU's the whole term.
+        self._block = max(1, min(total, CPU_BLOCK)) if self._device.type == "cpu" else None
+        self._scaled: Tensor | None = None  # made by restart, in the dtype the scale allows
+        self.restart(max_abs)
+
+    def restart(self, max_abs: float) -> None:
+        """Begin a new, empty sum of terms bounded by `max_abs` in this one's buffers: a run's
+        steps sum into one ExactSum instead of allocating (and the OS zeroing) a model-sized
+        fp64 buffer each. It overwrites what `result` returned in fp64 (views of the buffer)."""
+        if not (max_abs > 0 and math.isfinite(max_abs)):
+            raise ValueError(f"need max_abs > 0, got {max_abs}")
+        self.max_abs = float(max_abs)
+        headroom = 2.0**INT_BUDGET_BITS / (self.max_terms * self.max_abs)
+        self.scale = 2.0 ** math.floor(math.log2(headroom))
+        self.terms = 0
         self._sum: Tensor | None = None  # made by the first flush (buffers(), or a full run)
         self._ended = False  # result() reuses the buffers
         # A term's integers are at most `largest_integer` in magnitude (the rounding of a value
         # at most max_abs·scale), so fp64 sums `terms_per_partial` of them exactly.
         largest_integer = math.ceil(self.max_abs * self.scale)
         self.terms_per_partial = max(1, 2**FP64_EXACT_BITS // largest_integer)
-        self._partial = torch.zeros(total, dtype=torch.float64, device=device)
+        self._partial.zero_()
         self._partial_terms = 0
-        dtype = scratch_dtype([t.dtype for t in like.values()], device, self.scale)
-        # A CPU's scratch is one block (module docstring), a GPU's the whole term.
-        self._block = max(1, min(total, CPU_BLOCK)) if device.type == "cpu" else None
-        self._scaled = torch.empty(self._block or total, dtype=dtype, device=device)
+        dtype = scratch_dtype(self._dtypes, self._device, self.scale)
+        if self._scaled is None or self._scaled.dtype != dtype:
+            size = self._block or self._partial.numel()
+            self._scaled = torch.empty(size, dtype=dtype, device=self._device)
 
     def add(self, update: dict[str, Tensor], largest: float | None = None) -> None:
         """Add one term. `largest`: a proven bound on its elements (the privacy steps derive one
