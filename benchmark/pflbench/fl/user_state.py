@@ -61,8 +61,10 @@ class UserStateStore:
                 (folder / f"{version:07d}.safetensors").unlink(missing_ok=True)
 
     def clear(self) -> None:
-        """Drop every version: after a run's last step no resume reads any."""
-        shutil.rmtree(self.root, ignore_errors=True)
+        """Drop every version: after a run's last step no resume reads any. (A folder that
+        cannot be deleted raises: its disk would stay taken unnoticed.)"""
+        if self.root.is_dir():
+            shutil.rmtree(self.root)
 
     def _folders(self) -> list[Path]:
         return [p for p in self.root.iterdir() if p.is_dir()] if self.root.is_dir() else []

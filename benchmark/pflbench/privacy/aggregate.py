@@ -42,9 +42,10 @@ class ExactSum:
     clipped update); `max_terms` bounds the number of terms summed over all processes. Together
     they fix the quantization step so the int64 sum cannot overflow.
 
-    The sum is one flat int64 buffer; each term is scaled and rounded in a preallocated flat
-    buffer and added to a flat fp64 partial sum (module docstring): a term costs a few passes
-    over the model and no allocation.
+    The sum is one flat int64 buffer; each term is scaled and rounded in preallocated scratch
+    (a block on a CPU, the whole term on a GPU) and added to a flat fp64 partial sum (module
+    docstring): a term costs a few passes over the model and no allocation, and `restart` reuses
+    the buffers for the next sum.
     """
 
     def __init__(self, like: dict[str, Tensor], max_abs: float, max_terms: int = 2**20):
@@ -116,8 +117,9 @@ class ExactSum:
                 for offset in range(0, piece.numel(), self._block):
                     values = piece[offset : offset + self._block]
                     end = start + values.numel()
-                    self._quantize(values, self._scaled[: values.numel()])
-                    self._partial[start:end].add_(self._scaled[: values.numel()])  # exact
+                    scratch = self._scaled[: values.numel()]
+                    self._quantize(values, scratch)
+                    self._partial[start:end].add_(scratch)  # integers within 2^53: exact
                     start = end
         self._partial_terms += 1
         self.terms += 1
