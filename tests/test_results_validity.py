@@ -84,13 +84,21 @@ def paper_row(baseline, budget, wer, table="Table 1", overrides=None, also=(), c
     )
 
 
-def run_row(baseline, budget, wer, version=3, overrides=None, speakers=None):
-    """speakers: per-speaker (errors, words) on cv-test; the WER is then theirs."""
+def run_row(baseline, budget, wer, version=3, overrides=None, speakers=None, dev=None):
+    """speakers: per-speaker (errors, words) on cv-test; the WER is then theirs. dev: (cv-dev,
+    ls-dev) WERs, dev sets on the test set's corpus and on another one."""
     t = _template("run")
     test = next(r for r in t.metrics.final.values() if r.role == "test")
     if speakers is not None:
         wer = sum(e for e, _ in speakers.values()) / sum(n for _, n in speakers.values())
     final = {"cv-test": test.model_copy(update={"wer": wer, "speakers": speakers})}
+    task = {**t.config["task"], "eval_sets": [
+        {"name": "cv-test", "corpus": "commonvoice", "role": "test"},
+        {"name": "cv-dev", "corpus": "commonvoice", "role": "dev"},
+        {"name": "ls-dev", "corpus": "librispeech", "role": "dev"}]}  # fmt: skip
+    if dev is not None:
+        for name, value in zip(["cv-dev", "ls-dev"], dev, strict=True):
+            final[name] = test.model_copy(update={"role": "dev", "wer": value, "speakers": None})
     cohort = int((overrides or {}).get("federated.cohort_size", 16))
     recipe = {**t.config["recipe"], "federated": {**t.config["recipe"]["federated"],
                                                   "cohort_size": cohort}}  # fmt: skip
@@ -99,7 +107,7 @@ def run_row(baseline, budget, wer, version=3, overrides=None, speakers=None):
             "task": t.task.model_copy(update={"name": "embedded", "version": version}),
             "baseline": baseline,
             "budget": budget,
-            "config": {**t.config, "recipe": recipe, "overrides": overrides or {}},
+            "config": {**t.config, "task": task, "recipe": recipe, "overrides": overrides or {}},
             "metrics": t.metrics.model_copy(update={"final": final}),
         }
     )
@@ -230,3 +238,54 @@ def test_reversing_the_embedded_ranking_gives_minus_one():
     assert len(result.common) == 4 and result.tau == -1.0
     assert all(p.agreement == "disagree" for p in result.pairs)
     assert len(list(itertools.combinations(result.common, 2))) == len(result.pairs)
+
+
+SERVERS = PaperTable(PAPER, "Table 9", "paper-task", "server optimizer", "absolute",
+                     tuned=("federated.server.lr",))  # fmt: skip
+
+
+def test_a_tuned_hyperparameter_is_chosen_on_the_dev_split_never_the_test_split():
+    """Where the paper tuned a key per configuration, the embedded setting with the lowest dev
+    WER (on the test set's corpus: cv-dev, not ls-dev) stands for the configuration."""
+
+    def lr(value):
+        return {"federated.server.lr": value}
+
+    recs = [
+        paper_row("fedavg", "none", 0.22, table="Table 9", cohort=16),
+        paper_row("server-adam", "none", 0.23, table="Table 9", cohort=16, overrides=lr("5e-4")),
+        paper_row("server-sgd", "none", 0.25, table="Table 9", cohort=16, overrides=lr("3.0")),
+        run_row("fedavg", "none", 0.50, dev=(0.46, 0.30)),
+        run_row("server-sgd", "none", 0.60, dev=(0.58, 0.20)),
+        run_row("server-adam", "none", 0.75, dev=(0.73, 0.70)),  # the baseline's lr
+        # the best test WER, but not the best cv-dev: never chosen
+        run_row("server-adam", "none", 0.45, overrides=lr("0.002"), dev=(0.56, 0.10)),
+        # chosen on cv-dev (mean of its two seeds, 0.52), although its ls-dev is the worst
+        run_row("server-adam", "none", 0.54, overrides=lr("0.0006"), dev=(0.51, 0.90)),
+        run_row("server-adam", "none", 0.56, overrides=lr("0.0006"), dev=(0.53, 0.90)),
+        # a key the table does not tune: left out
+        run_row("server-adam", "none", 0.01, overrides={"federated.client.lr": "9"}, dev=(0, 0)),
+    ]
+    result = report(recs, SERVERS)
+    adam = ("server-adam", "none", 16)
+    assert result.common == [("fedavg", "none", 16), adam, ("server-sgd", "none", 16)]
+    assert result.embedded_wer[adam] == pytest.approx(0.55)  # the 0.0006 runs' test WER
+    settings = result.tuning[adam]
+    assert [s.describe() for s in settings] == [
+        "federated.server.lr=0.0006",
+        "federated.server.lr=0.002",
+        "the baseline's",
+    ]
+    assert [s.dev_wer for s in settings] == pytest.approx([0.52, 0.56, 0.73])
+    assert len(result.embedded_runs[adam]) == 2
+    assert ("fedavg", "none", 16) not in result.tuning  # one setting: nothing was tuned
+    # paper order fedavg < adam < sgd; embedded 0.50 < 0.55 < 0.60: all agree
+    assert result.tau == 1.0
+    text = render_table_report(result)
+    assert "Tuned on the dev split (federated.server.lr;" in text
+    chosen = "| server-adam/none/S=16 | federated.server.lr=0.0006 | 52.00 | 55.00 (2) | chosen |"
+    assert chosen in text
+    assert "| server-adam/none/S=16 | the baseline's | 73.00 | 75.00 (1) |  |" in text
+    # a table that tunes nothing keeps only the runs without such overrides
+    untuned = report(recs, COHORTS)
+    assert untuned.embedded_wer[adam] == pytest.approx(0.75) and not untuned.tuning

@@ -343,6 +343,10 @@ def register(app: typer.Typer) -> None:
                             "paper_wer": r.paper_wer[c],
                             "embedded_wer": r.embedded_wer[c],
                             "seeds": len(r.embedded_runs[c]),
+                            "tuned_on_dev": [
+                                {"set": dict(t.values), "dev_wer": t.dev_wer, "seeds": len(t.runs)}
+                                for t in r.tuning.get(c, [])
+                            ],
                         }
                         for c in r.common
                     ],

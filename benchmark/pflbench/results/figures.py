@@ -26,6 +26,7 @@ from pflbench.results.groups import dp_pairs, group_eval_set, is_ranked, row_lab
 from pflbench.results.leaderboard import Row, cohort_size, epsilon, group_rows, is_audit, is_dp
 from pflbench.results.schema import ResultRecord
 from pflbench.results.stats import row_interval
+from pflbench.results.validity import COHORT_KEY, SERVER_LR_KEY, tuning_wer
 from pflbench.spec.models import Budget
 from pflbench.spec.names import safe_name
 from pflbench.spec.resolve import canonical_json
@@ -45,7 +46,6 @@ FAMILIES = (  # panels of the WER-vs-ε figure, by baseline name
     ("privacy mechanism", ("bandmf-",)),
 )
 OPTIMIZERS = {"lamb": "LAMB", "lars": "LARS", "adam": "Adam", "adagrad": "AdaGrad", "sgd": "SGD"}
-COHORT_KEY = "federated.cohort_size"
 
 
 @dataclass(frozen=True)
@@ -145,6 +145,21 @@ def measure(row: Row, sets: list[str]) -> Measured | None:
 def first_of(rows: list[Row]) -> Row:
     """Of rows competing for one point: the one with the fewest overrides, then most seeds."""
     return min(rows, key=lambda r: (len(overrides_of(r.first)), -len(r.records), r.first.record_id))
+
+
+def tuned_first(rows: list[Row]) -> Row:
+    """Of rows of one optimizer at one budget and cohort, differing in the server lr: the one
+    with the lowest dev WER (validity.tuning_wer: tuned on dev, as the paper tuned each
+    optimizer's lr), else first_of's."""
+
+    def dev_wer(row: Row) -> float | None:
+        wers = [w for r in row.records if (w := tuning_wer(r)) is not None]
+        return sum(wers) / len(wers) if wers else None
+
+    scored = [(wer, row) for row in rows if (wer := dev_wer(row)) is not None]
+    if len(scored) < 2:
+        return first_of(rows)
+    return min(scored, key=lambda t: (t[0], t[1].first.record_id))[1]
 
 
 def dp_of(row: Row, budgets: dict[str, Budget]) -> bool:
@@ -317,7 +332,7 @@ def optimizer_figure(rows, task, sets, budgets, declared) -> Figure | str:
         record = row.first
         if record.kind == "run":
             wanted = record.baseline.startswith("server-") or record.baseline == "perlayer-dim"
-            wanted = wanted and not set(overrides_of(record)) - {COHORT_KEY}
+            wanted = wanted and not set(overrides_of(record)) - {COHORT_KEY, SERVER_LR_KEY}
         else:
             cited = {(record.provenance.paper, record.provenance.table)} | {
                 (c.paper, c.table) for c in record.provenance.also
@@ -343,7 +358,7 @@ def optimizer_figure(rows, task, sets, budgets, declared) -> Figure | str:
         found = [(i, groups[k][optimizer]) for i, k in enumerate(keys) if optimizer in groups[k]]
         if not found:
             continue
-        chosen = [(i, first_of(rs)) for i, rs in found]
+        chosen = [(i, tuned_first(rs)) for i, rs in found]
         names = sorted({r.first.baseline for _, r in chosen})
         pts = [[i, *m.json()] for i, r in chosen if (m := measure(r, sets))]
         label = f"{OPTIMIZERS.get(optimizer, optimizer)} ({', '.join(names)})"
@@ -355,7 +370,8 @@ def optimizer_figure(rows, task, sets, budgets, declared) -> Figure | str:
         "categorical",
         {
             "categories": categories,
-            "xlabel": "budget, cohort size",
+            "xlabel": "budget, cohort size (where several server lrs ran: the one with the "
+            "lowest dev WER)",
             "ylabel": wer_label(sets),
             "connect": False,
             "panels": [{"title": "", "series": series}],
