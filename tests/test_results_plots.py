@@ -27,6 +27,7 @@ from pflbench.results.sweep import (
     plan_sweep_file,
     run_sweep,
 )
+from pflbench.results.validity import validity_reports
 from pflbench.spec.registry import load_registry
 
 REPO = Path(__file__).parents[1]
@@ -144,6 +145,32 @@ def test_styles_are_distinct_and_legends_lie_outside_the_data(tmp_path, paper_re
             for ax in fig.axes:
                 assert not box.overlaps(ax.get_window_extent()), stem
         plt.close(fig)
+
+
+def test_the_server_optimizer_figure_draws_the_setting_validity_chose(specs):
+    """Where the repository's embedded task ran a server optimizer at several lrs, the figure's
+    point is the lr Table 9's validity report chose on cv-dev (the same runs, the same WER), not
+    the baseline's lr nor the best test WER."""
+    registry = load_registry()
+    task = "synth-cv-en-ls-seed"
+    records = load_results(REPO / "results")
+    (table_9,) = validity_reports(
+        records, task, specs[0], registry.tasks[task].spec.budgets,
+        registry.tasks[task].spec.version, tables=["002 Table 9"])  # fmt: skip
+    tuned = {c: settings for c, settings in table_9.tuning.items() if c[0].startswith("server-")}
+    assert tuned, "no server optimizer of the embedded task was tuned on cv-dev"
+    figures, _ = _figures([r for r in records if r.kind == "run"], specs)
+    data = figures[f"{task}-server-optimizers"].data
+    (panel,) = data["panels"]
+    for (baseline, _, cohort), settings in tuned.items():
+        chosen = settings[0]
+        assert chosen.dev_wer == min(s.dev_wer for s in settings)
+        column = data["categories"].index(f"no DP, S = {cohort}")
+        (series,) = [s for s in panel["series"] if f"({baseline})" in s["label"]]
+        (point,) = [p for p in series["points"] if p[0] == column]
+        expected = 100 * table_9.embedded_wer[(baseline, "none", cohort)]
+        assert point[1] == pytest.approx(expected, abs=1e-4), baseline
+        assert point[4] == len(chosen.runs)
 
 
 def test_missing_data_is_reported_not_drawn(tmp_path, specs):

@@ -274,7 +274,7 @@ def test_a_tuned_hyperparameter_is_chosen_on_the_dev_split_never_the_test_split(
     assert [s.describe() for s in settings] == [
         "federated.server.lr=0.0006",
         "federated.server.lr=0.002",
-        "the baseline's",
+        "as specified (no --set)",
     ]
     assert [s.dev_wer for s in settings] == pytest.approx([0.52, 0.56, 0.73])
     assert len(result.embedded_runs[adam]) == 2
@@ -285,7 +285,7 @@ def test_a_tuned_hyperparameter_is_chosen_on_the_dev_split_never_the_test_split(
     assert "Tuned on the dev split (federated.server.lr;" in text
     chosen = "| server-adam/none/S=16 | federated.server.lr=0.0006 | 52.00 | 55.00 (2) | chosen |"
     assert chosen in text
-    assert "| server-adam/none/S=16 | the baseline's | 73.00 | 75.00 (1) |  |" in text
+    assert "| server-adam/none/S=16 | as specified (no --set) | 73.00 | 75.00 (1) |  |" in text
     # a table that tunes nothing keeps only the runs without such overrides
     untuned = report(recs, COHORTS)
     assert untuned.embedded_wer[adam] == pytest.approx(0.75) and not untuned.tuning

@@ -113,14 +113,14 @@ class Pair:
 
 @dataclass(frozen=True)
 class Setting:
-    """One setting of a table's tuned keys on the embedded side (() = the baseline's own)."""
+    """One setting of a table's tuned keys on the embedded side (() = as the specs resolve)."""
 
     values: tuple[tuple[str, str], ...]  # (key, value as given to --set)
     dev_wer: float | None  # mean over its runs of tuning_wer
     runs: tuple[ResultRecord, ...]
 
     def describe(self) -> str:
-        return ", ".join(f"{k}={v}" for k, v in self.values) or "the baseline's"
+        return ", ".join(f"{k}={v}" for k, v in self.values) or "as specified (no --set)"
 
 
 @dataclass
