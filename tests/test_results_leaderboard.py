@@ -74,6 +74,19 @@ def test_seed_groups_and_ranking():
     assert "| 📄 central |" in text and "a \\| piped row" in text
 
 
+def test_a_runs_set_overrides_name_its_row():
+    """Runs of one baseline that differ only in a --set override (a tuning sweep's lrs) are
+    rows a reader can tell apart: the baseline cell names the overrides."""
+    records = load_results(GOLDEN / "results")
+    run = next(r for r in records if r.kind == "run" and r.baseline == "perlayer-dim")
+    tuned = run.model_copy(update={
+        "record_id": "0" * 16,
+        "config": {**run.config, "overrides": {"federated.server.lr": "0.5"}}})  # fmt: skip
+    text = render_golden([*records, tuned])
+    assert "| perlayer-dim [federated.server.lr=0.5] (rule: " in text
+    assert "| perlayer-dim (rule: " in text  # the run without overrides keeps its plain name
+
+
 def test_fmt_wer():
     assert fmt_wer([0.2, 0.3]) == "25.00 ± 7.07 (n=2)"
     assert fmt_wer([0.123]) == "12.30"

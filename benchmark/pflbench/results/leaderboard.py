@@ -18,7 +18,7 @@ from pathlib import Path
 
 from pflbench.errors import UserError
 from pflbench.numerics import NUMERICS_CHANGES, NUMERICS_VERSION
-from pflbench.results.groups import render_groups
+from pflbench.results.groups import render_groups, row_label
 from pflbench.results.paper import NOISE_BUDGET_PREFIX, PAPER_DIR
 from pflbench.results.schema import ResultRecord, load_record, record_numerics_version
 from pflbench.results.stats import row_interval
@@ -303,9 +303,9 @@ def fmt_gpu_hours(row: Row) -> str:
 
 def fmt_baseline(row: Row, current_version: int | None) -> str:
     record = row.first
-    name = cell(record.baseline)
-    if record.kind == "reference":
-        return f"📄 {name}"
+    if record.kind == "reference":  # its --set overrides are in the source column
+        return f"📄 {cell(record.baseline)}"
+    name = cell(row_label(record))  # rows of one baseline differ in their --set overrides
     rule = perlayer_rule(record)
     if rule is not None:
         name += f" (rule: {rule})"
