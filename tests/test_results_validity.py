@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from pathlib import Path
 
@@ -289,3 +290,24 @@ def test_a_tuned_hyperparameter_is_chosen_on_the_dev_split_never_the_test_split(
     # a table that tunes nothing keeps only the runs without such overrides
     untuned = report(recs, COHORTS)
     assert untuned.embedded_wer[adam] == pytest.approx(0.75) and not untuned.tuning
+
+
+def test_cli_validity_of_the_repository_reports_the_tuned_settings():
+    """`pflbench validity --json` on the filed records: each Table 9 configuration run at
+    several server lrs lists them, the chosen one (the lowest dev WER) first."""
+    from typer.testing import CliRunner
+
+    from pflbench.cli import app
+
+    args = ["validity", "--task", "synth-cv-en-ls-seed", "--table", "002 Table 9"]
+    result = CliRunner().invoke(app, [*args, "--json"])
+    assert result.exit_code == 0, result.output
+    (table,) = json.loads(result.output)
+    tuned = {c["baseline"]: c["tuned_on_dev"] for c in table["configurations"] if c["tuned_on_dev"]}
+    assert {"server-adam", "server-adagrad", "server-lars", "server-sgd"} <= set(tuned)
+    for settings in tuned.values():
+        dev = [s["dev_wer"] for s in settings]
+        assert dev[0] == min(dev) and len(dev) >= 3
+    assert tuned["server-adam"][0]["set"] == {"federated.server.lr": "0.0006"}
+    markdown = CliRunner().invoke(app, args)
+    assert markdown.exit_code == 0 and "Tuned on the dev split" in markdown.output
