@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 from scipy.stats import kendalltau
+from typer.testing import CliRunner
 
+from pflbench.cli import app
 from pflbench.results.leaderboard import load_results
 from pflbench.results.schema import Citation, PrivacyClaim
 from pflbench.results.validity import (
@@ -295,10 +297,6 @@ def test_a_tuned_hyperparameter_is_chosen_on_the_dev_split_never_the_test_split(
 def test_cli_validity_of_the_repository_reports_the_tuned_settings():
     """`pflbench validity --json` on the filed records: each Table 9 configuration run at
     several server lrs lists them, the chosen one (the lowest dev WER) first."""
-    from typer.testing import CliRunner
-
-    from pflbench.cli import app
-
     args = ["validity", "--task", "synth-cv-en-ls-seed", "--table", "002 Table 9"]
     result = CliRunner().invoke(app, [*args, "--json"])
     assert result.exit_code == 0, result.output

@@ -26,7 +26,7 @@ from pflbench.results.groups import dp_pairs, group_eval_set, is_ranked, row_lab
 from pflbench.results.leaderboard import Row, cohort_size, epsilon, group_rows, is_audit, is_dp
 from pflbench.results.schema import ResultRecord
 from pflbench.results.stats import row_interval
-from pflbench.results.validity import COHORT_KEY, SERVER_LR_KEY, tuning_wer
+from pflbench.results.validity import COHORT_KEY, SERVER_LR_KEY, dev_wer
 from pflbench.spec.models import Budget
 from pflbench.spec.names import safe_name
 from pflbench.spec.resolve import canonical_json
@@ -149,14 +149,9 @@ def first_of(rows: list[Row]) -> Row:
 
 def tuned_first(rows: list[Row]) -> Row:
     """Of rows of one optimizer at one budget and cohort, differing in the server lr: the one
-    with the lowest dev WER (validity.tuning_wer: tuned on dev, as the paper tuned each
-    optimizer's lr), else first_of's."""
-
-    def dev_wer(row: Row) -> float | None:
-        wers = [w for r in row.records if (w := tuning_wer(r)) is not None]
-        return sum(wers) / len(wers) if wers else None
-
-    scored = [(wer, row) for row in rows if (wer := dev_wer(row)) is not None]
+    with the lowest dev WER (validity.dev_wer, the rule Table 9's validity chooses by), else
+    first_of's."""
+    scored = [(wer, row) for row in rows if (wer := dev_wer(row.records)) is not None]
     if len(scored) < 2:
         return first_of(rows)
     return min(scored, key=lambda t: (t[0], t[1].first.record_id))[1]

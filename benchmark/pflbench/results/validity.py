@@ -116,7 +116,7 @@ class Setting:
     """One setting of a table's tuned keys on the embedded side (() = as the specs resolve)."""
 
     values: tuple[tuple[str, str], ...]  # (key, value as given to --set)
-    dev_wer: float | None  # mean over its runs of tuning_wer
+    dev_wer: float | None  # dev_wer(runs)
     runs: tuple[ResultRecord, ...]
 
     def describe(self) -> str:
@@ -192,17 +192,15 @@ def tuning_wer(record: ResultRecord) -> float | None:
         for e in eval_sets
         if e.get("role") == "dev" and e.get("corpus") in test_corpora
     }
-    final = record.metrics.final
-    return _mean(e.wer for name, e in final.items() if name in dev_sets and e.role == "dev")
+    final = record.metrics.final.items()
+    wers = [e.wer for name, e in final if name in dev_sets and e.role == "dev"]
+    return statistics.fmean(wers) if wers else None
 
 
-def _mean(values) -> float | None:
-    values = [v for v in values if v is not None]
-    return statistics.fmean(values) if values else None
-
-
-def _id(record: ResultRecord) -> str:
-    return record.record_id
+def dev_wer(runs) -> float | None:
+    """A setting's dev WER: the mean over its runs of tuning_wer (None: no run has one)."""
+    wers = [w for r in runs if (w := tuning_wer(r)) is not None]
+    return statistics.fmean(wers) if wers else None
 
 
 def _tuning_order(setting: Setting) -> tuple:
@@ -282,7 +280,7 @@ def table_report(
     for key, by_values in runs.items():
         settings = sorted(
             (
-                Setting(values, _mean(tuning_wer(r) for r in v), tuple(sorted(v, key=_id)))
+                Setting(values, dev_wer(v), tuple(sorted(v, key=lambda r: r.record_id)))
                 for values, v in by_values.items()
             ),
             key=_tuning_order,
