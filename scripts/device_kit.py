@@ -1,0 +1,123 @@
+"""The wheels a lent GPU machine needs to run pflbench (issue 26's GPU figures, the CUDA tests).
+
+That machine's image holds PyTorch with CUDA, numpy, scipy, typer, rich, pyarrow, matplotlib and
+more, but not the rest of pflbench's dependencies, and it cannot reach a package index: what it
+lacks travels as wheels with the working tree, which may weigh 64 MiB in all (the tree itself is
+~45 MB). This script downloads the pinned versions (constraints.txt) of the packages the image
+lacks, for its Python (3.12, manylinux x86-64), into `.device/kit/` (ignored by git), with
+wordfreq's word lists and espeak-ng's dictionaries cut to the languages the synthetic corpora
+speak (wordfreq's wheel is 55 MB, its English, French and German lists 7; espeak-ng's Russian
+dictionary alone is 8.5), and prints the kit's size beside the tree's.
+
+Here:    python scripts/device_kit.py
+There:   bash scripts/device_figures.sh bench|tests   (the device tool's run, carry [".device"])
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import zipfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+KIT = ROOT / ".device" / "kit"
+# What pflbench (with its test extras) imports that the device image lacks, as last listed
+# (../.library/device/KINDS.md, 2026-11-17): its own packages there are used as they are.
+MISSING = [
+    "annotated-types", "audioread", "cffi", "datasets", "decorator", "dill", "dm-tree",
+    "dp-accounting", "espeakng-loader", "ftfy", "httpcore2", "httpx2", "jiwer", "lameenc",
+    "langcodes", "librosa", "locate", "multiprocess", "opacus", "platformdirs", "pooch",
+    "prv-accountant", "pycparser", "pydantic", "pydantic-core", "rapidfuzz", "soundfile", "soxr",
+    "truststore", "typing-inspection", "tzdata", "unidecode", "wcwidth", "wordfreq",
+]  # fmt: skip
+# The synthetic corpora's languages (data.synth): wordfreq's lists of the others stay behind.
+LANGUAGES = ("en", "fr", "de")
+PLATFORMS = [
+    "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64", "manylinux1_x86_64",
+]  # fmt: skip
+LIMIT = 64 * 2**20  # what may travel with one call, tree and carried paths together
+
+
+def pinned(names: list[str]) -> list[str]:
+    """name==version for each name, from constraints.txt (names compared as pip normalizes)."""
+    norm = lambda s: re.sub(r"[-_.]+", "-", s).lower()  # noqa: E731
+    pins = {}
+    for line in (ROOT / "constraints.txt").read_text().splitlines():
+        if "==" in line and not line.startswith("#"):
+            name, version = line.split("==", 1)
+            pins[norm(name)] = version.strip()
+    absent = [n for n in names if norm(n) not in pins]
+    if absent:
+        sys.exit(f"constraints.txt pins no version of {', '.join(absent)}")
+    return [f"{n}=={pins[norm(n)]}" for n in names]
+
+
+# Per wheel, the files of other languages: wordfreq's word lists, espeak-ng's dictionaries.
+OTHER_LANGUAGES = {
+    "wordfreq-": r"wordfreq/data/(?!.*_({})\.msgpack\.gz$)",
+    "espeakng_loader-": r"espeakng_loader/espeak-ng-data/(?!({})_dict$)[a-z_]+_dict$",
+}
+
+
+def trim(wheel: Path, pattern: str) -> None:
+    """Rewrite a wheel without the files `pattern` matches (and their RECORD lines)."""
+    drop = re.compile(pattern.format("|".join(LANGUAGES)))
+    with tempfile.NamedTemporaryFile(dir=wheel.parent, delete=False) as tmp:
+        with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
+            for item in src.infolist():
+                if drop.match(item.filename):
+                    continue
+                data = src.read(item)
+                if item.filename.endswith(".dist-info/RECORD"):
+                    lines = data.decode().splitlines()  # path,hash,size
+                    kept = [x for x in lines if not drop.match(x.split(",")[0])]
+                    data = "\n".join(kept).encode() + b"\n"
+                dst.writestr(item, data)
+    Path(tmp.name).replace(wheel)
+
+
+def tree_bytes() -> int:
+    """Bytes of what the device tool sends: tracked and untracked-not-ignored files."""
+    listed = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, check=True, capture_output=True,
+    ).stdout.split(b"\0")  # fmt: skip
+    return sum(
+        (ROOT / p.decode()).stat().st_size for p in listed if p and (ROOT / p.decode()).is_file()
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--python-version", default="3.12", help="the device's Python")
+    args = parser.parse_args()
+    KIT.mkdir(parents=True, exist_ok=True)
+    for old in KIT.glob("*.whl"):
+        old.unlink()
+    platforms = [x for p in PLATFORMS for x in ("--platform", p)]
+    subprocess.run(
+        [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
+         "--python-version", args.python_version, "--implementation", "cp", *platforms,
+         "-d", str(KIT), *pinned(MISSING)],
+        check=True,
+    )  # fmt: skip
+    for prefix, pattern in OTHER_LANGUAGES.items():
+        for wheel in KIT.glob(f"{prefix}*.whl"):
+            trim(wheel, pattern)
+    kit = sum(w.stat().st_size for w in KIT.glob("*.whl"))
+    tree = tree_bytes()
+    print(
+        f"{len(list(KIT.glob('*.whl')))} wheels, {kit / 2**20:.1f} MiB in {KIT.relative_to(ROOT)}"
+    )
+    print(f"working tree {tree / 2**20:.1f} MiB; together {(kit + tree) / 2**20:.1f} of 64 MiB")
+    if kit + tree > LIMIT:
+        sys.exit("over the device tool's 64 MiB: the call would be refused")
+
+
+if __name__ == "__main__":
+    main()
