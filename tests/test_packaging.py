@@ -110,3 +110,15 @@ def test_constraints_pin_every_dependency():
         assert name in pins, f"{req.name} (pyproject.toml) is not pinned in constraints.txt"
         assert req.specifier.contains(pins[name]), f"{req.name}=={pins[name]} is not {req}"
     assert "+" not in pins["torch"]
+
+
+def test_the_installed_command_imports_the_cli_only_when_it_runs():
+    # The command's script imports its entry point's module, and every forkserver/spawn child
+    # (synthesis starts one per unit of work) imports the parent's main script again: that
+    # module must not pull in the CLI (torch, ~2.5 s a child).
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    module, function = project["scripts"]["pflbench"].split(":")
+    code = f"import sys, {module}; assert callable({module}.{function}); print(sorted(sys.modules))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    imported = done.stdout
+    assert "'torch'" not in imported and "'pflbench.cli'" not in imported
