@@ -17,7 +17,9 @@ The device tool's call, from this repository's root here (carry names the kit):
     run(command="python3 scripts/device_figures.py bench", carry=[".device"], timeout_s=600)
 
 On a CPU (`--device cpu`, the kit not installed) it runs the same commands on small settings,
-which checks the plumbing before device time is spent on it.
+which checks the plumbing before device time is spent on it: the commands start, print JSON, and
+one over its cap is recorded as such (on the 2-core machine the bench part takes ~9 minutes,
+its `bench fl` runs over their caps while a sweep holds the cores).
 """
 
 from __future__ import annotations
