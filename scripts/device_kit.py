@@ -26,13 +26,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / ".device" / "kit"
 # What pflbench (with its test extras) imports that the device image lacks, as last listed
-# (../.library/device/KINDS.md, 2026-11-17): its own packages there are used as they are.
-MISSING = [
-    "annotated-types", "audioread", "cffi", "datasets", "decorator", "dill", "dm-tree",
+# (../.library/device/KINDS.md, 2026-11-17), and the CLI's own stack (typer, click, rich: the
+# image has other versions, and the command's parsing and output are what the tests check);
+# the image's numerical packages (torch, numpy, scipy, ...) are used as they are.
+PACKAGES = [
+    "annotated-types", "audioread", "cffi", "click", "datasets", "decorator", "dill", "dm-tree",
     "dp-accounting", "espeakng-loader", "ftfy", "httpcore2", "httpx2", "jiwer", "lameenc",
     "langcodes", "librosa", "locate", "multiprocess", "opacus", "platformdirs", "pooch",
-    "prv-accountant", "pycparser", "pydantic", "pydantic-core", "rapidfuzz", "soundfile", "soxr",
-    "truststore", "typing-inspection", "tzdata", "unidecode", "wcwidth", "wordfreq",
+    "prv-accountant", "pycparser", "pydantic", "pydantic-core", "rapidfuzz", "rich", "soundfile",
+    "soxr", "truststore", "typer", "typing-inspection", "tzdata", "unidecode", "wcwidth",
+    "wordfreq",
 ]  # fmt: skip
 # The synthetic corpora's languages (data.synth): wordfreq's lists of the others stay behind.
 LANGUAGES = ("en", "fr", "de")
@@ -103,7 +106,7 @@ def main() -> None:
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
          "--python-version", args.python_version, "--implementation", "cp", *platforms,
-         "-d", str(KIT), *pinned(MISSING)],
+         "-d", str(KIT), *pinned(PACKAGES)],
         check=True,
     )  # fmt: skip
     for prefix, pattern in OTHER_LANGUAGES.items():
