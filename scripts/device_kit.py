@@ -23,6 +23,8 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+from packaging.utils import canonicalize_name
+
 ROOT = Path(__file__).resolve().parents[1]
 KIT = ROOT / ".device" / "kit"
 # What pflbench (with its test extras) imports that the device image lacks, as last listed
@@ -48,16 +50,15 @@ LIMIT = 64 * 2**20  # what may travel with one call, tree and carried paths toge
 
 def pinned(names: list[str]) -> list[str]:
     """name==version for each name, from constraints.txt (names compared as pip normalizes)."""
-    norm = lambda s: re.sub(r"[-_.]+", "-", s).lower()  # noqa: E731
     pins = {}
     for line in (ROOT / "constraints.txt").read_text().splitlines():
         if "==" in line and not line.startswith("#"):
             name, version = line.split("==", 1)
-            pins[norm(name)] = version.strip()
-    absent = [n for n in names if norm(n) not in pins]
+            pins[canonicalize_name(name)] = version.strip()
+    absent = [n for n in names if canonicalize_name(n) not in pins]
     if absent:
         sys.exit(f"constraints.txt pins no version of {', '.join(absent)}")
-    return [f"{n}=={pins[norm(n)]}" for n in names]
+    return [f"{n}=={pins[canonicalize_name(n)]}" for n in names]
 
 
 # Per wheel, the files of other languages: wordfreq's word lists, espeak-ng's dictionaries.
@@ -90,9 +91,8 @@ def tree_bytes() -> int:
         ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
         cwd=ROOT, check=True, capture_output=True,
     ).stdout.split(b"\0")  # fmt: skip
-    return sum(
-        (ROOT / p.decode()).stat().st_size for p in listed if p and (ROOT / p.decode()).is_file()
-    )
+    paths = [ROOT / p.decode() for p in listed if p]
+    return sum(path.stat().st_size for path in paths if path.is_file())
 
 
 def main() -> None:
@@ -112,11 +112,10 @@ def main() -> None:
     for prefix, pattern in OTHER_LANGUAGES.items():
         for wheel in KIT.glob(f"{prefix}*.whl"):
             trim(wheel, pattern)
-    kit = sum(w.stat().st_size for w in KIT.glob("*.whl"))
+    wheels = list(KIT.glob("*.whl"))
+    kit = sum(w.stat().st_size for w in wheels)
     tree = tree_bytes()
-    print(
-        f"{len(list(KIT.glob('*.whl')))} wheels, {kit / 2**20:.1f} MiB in {KIT.relative_to(ROOT)}"
-    )
+    print(f"{len(wheels)} wheels, {kit / 2**20:.1f} MiB in {KIT.relative_to(ROOT)}")
     print(f"working tree {tree / 2**20:.1f} MiB; together {(kit + tree) / 2**20:.1f} of 64 MiB")
     if kit + tree > LIMIT:
         sys.exit("over the device tool's 64 MiB: the call would be refused")
