@@ -34,9 +34,9 @@ from pflbench.spec.models import (
 STORE = RandomUserStore(num_users=3, utterances_per_user=6)
 
 
-def _trainer(**client) -> tuple[torch.nn.Module, SequentialClientTrainer]:
+def _trainer(layer_drop=None, **client) -> tuple[torch.nn.Module, SequentialClientTrainer]:
     torch.manual_seed(0)
-    model = build_model("tiny", 30)
+    model = build_model("tiny", 30, layer_drop=layer_drop)
     recipe = ClientRecipe(**{"local_steps": 2, "batch_seconds": 10.0, **client})
     names = [n for n, _ in model.named_parameters()]
     algorithm = make_algorithm(recipe, model, names, seed=1)
@@ -76,6 +76,21 @@ def test_delta_is_global_minus_local_and_keyed():
     # Δ lies in one flat span, which the exact sum scales without gathering it.
     like = ExactSum(dict(first), max_abs=1.0)._scaled
     assert _one_span(list(other_step.update.values()), like) is not None
+
+
+def test_a_block_layer_drop_skips_keeps_its_weights():
+    """paper-255m trains with layer drop 0.3: a skipped block is not in the graph, so its
+    gradient is zero and the client's step leaves it; the other tensors still train. With
+    layer drop 1 every block is skipped at every step."""
+    model, trainer = _trainer(layer_drop=1.0)
+    update = _train(trainer, _globals(model), STORE.load_user("user00000"), 0, "u0").update
+    moved = {name for name, delta in update.items() if delta.abs().sum() > 0}
+    blocks = {name for name in update if name.startswith("blocks.")}
+    assert blocks and not moved & blocks
+    assert moved  # the layers outside the blocks (input projection, output head) trained
+    model, trainer = _trainer(layer_drop=0.5)
+    for step in range(4):  # some blocks skipped, some not: no step fails
+        _train(trainer, _globals(model), STORE.load_user("user00001"), step, "u1")
 
 
 def test_local_steps_and_epochs_schedule():

@@ -234,7 +234,12 @@ class ClientTrainer(ABC):
                 for dim in range(1, tensor.dim() - (tensor is inputs.feats)):
                     torch._dynamo.maybe_mark_dynamic(tensor, dim)
         losses = self._losses(*inputs)
-        self.update.take_grads(self._stacked(torch.autograd.grad(losses.sum(), self._leaves())))
+        # A block that layer drop skipped is not in the graph: its gradient is zero (a plain
+        # local SGD step leaves it where it is, as an optimizer skips a None gradient).
+        grads = torch.autograd.grad(
+            losses.sum(), self._leaves(), allow_unused=True, materialize_grads=True
+        )
+        self.update.take_grads(self._stacked(grads))
         return losses.detach()
 
     def train_group(
