@@ -3,8 +3,12 @@ clipped, noised client delta) into the server's step.
 
 Each optimizer is a `ServerRule`: the state tensors it keeps beside every parameter (named slots,
 saved in checkpoints as `server.<slot>.<parameter>`) and its update, written with foreach ops.
-The rules follow optax (the paper's library, App. G.4) with its defaults where the recipe has no
-key, except AdaGrad, which follows the paper authors' code unless `adagrad_rule: optax`:
+The rules follow optax's update formulas (the paper's library, App. G.4), except AdaGrad, which
+follows the paper authors' code unless `adagrad_rule: optax`. Their hyperparameters are the
+recipe's (ServerRecipe), not optax's per-optimizer defaults: ξ = 1e-6 for every rule (paper App.
+H.3), no momentum and no weight decay unless set, where optax has ξ 1e-8 (Adam), 1e-7 (AdaGrad)
+and 0 (LARS) and LARS momentum 0.9; a spec that wants those sets them (the server-* baselines
+set theirs):
 - LAMB (paper App. E.4): Adam moments with bias correction, u = m̂/(√v̂ + ξ) + λθ,
   θ ← θ − lr·(‖θ‖/‖u‖)·u per tensor (trust ratio 1 where either norm is 0).
 - Adam: θ ← θ − lr·(m̂/(√v̂ + ξ) + λθ).
