@@ -536,6 +536,32 @@ def test_a_record_stating_older_numerics_is_refused_unless_stale(tmp_path, regis
     refused(tmp_path, registry, record, "numerics version 1, this pflbench as 2")
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("task", "gone-task", "unknown task 'gone-task'"),
+        ("budget", "gone-budget", "unknown budget 'gone-budget'"),
+        ("baseline", "gone-baseline", "unknown baseline 'gone-baseline'"),
+    ],
+)
+def test_an_error_from_the_registry_names_the_record(
+    tmp_path, registry, dp_record, field, value, message
+):
+    """A record naming a task, budget or baseline the registry does not know: the error names
+    the record's file, as every other check's does."""
+    record = copy.deepcopy(dp_record)
+    record["config"][field]["name"] = value
+    if field == "task":
+        record["task"]["name"] = value
+    else:
+        record[field] = value
+    record = finalize(record)
+    run_dir = write_run(tmp_path / "run", record)
+    with pytest.raises(UserError, match=message) as error:
+        submit(run_dir, tmp_path / "results", registry)
+    assert str(run_dir / "record.json") in str(error.value)
+
+
 # ----------------------------------------------------------------------------------------------
 # Re-stamped edits: a record edited with its config hash and record id recomputed (the public
 # formulas, `finalize`) still names a run pflbench did not make; each is refused by what it says.

@@ -552,7 +552,20 @@ def find_duplicate(record: ResultRecord, folder: Path) -> Path | None:
 def validate_record(
     record: ResultRecord, raw: dict, registry: Registry, where: str, stale_ok: bool = False
 ) -> bool:
-    """All content checks of a run record (not the duplicate check); returns whether it is stale."""
+    """All content checks of a run record (not the duplicate check); returns whether it is stale.
+    Every error names `where`, also one from the registry or the resolver (an unknown task,
+    baseline or budget, a recipe that no longer validates)."""
+    try:
+        return _validate_record(record, raw, registry, where, stale_ok)
+    except UserError as error:
+        if str(error).startswith(where):
+            raise
+        raise UserError(f"{where}: {error}") from None
+
+
+def _validate_record(
+    record: ResultRecord, raw: dict, registry: Registry, where: str, stale_ok: bool
+) -> bool:
     from pflbench.plugins import check_record_plugins
     from pflbench.privacy.audit import check_audit_claim
 
