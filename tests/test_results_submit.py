@@ -727,3 +727,12 @@ def test_a_seed_copied_from_another_seed_of_its_row_is_refused(tmp_path, registr
     (filed.parent / f"{copy_['record_id']}.json").write_text(json.dumps(copy_))
     with pytest.raises(UserError, match="the same final model as .*another seed of the same row"):
         load_results(results)
+    # Its final model's digest changed too (a claim nothing checks without the checkpoint): the
+    # transcripts, which re-scoring reads and checks against their digests, are still the copy's.
+    copy_["outputs"]["final_model"] = sha256(b"another model").hexdigest()
+    assert copy_["outputs"]["final_model"] != dp_record["outputs"]["final_model"]
+    (filed.parent / f"{copy_['record_id']}.json").unlink()
+    copy_ = finalize(copy_)
+    (filed.parent / f"{copy_['record_id']}.json").write_text(json.dumps(copy_))
+    with pytest.raises(UserError, match="the same transcripts of every eval set as .*another seed"):
+        load_results(results)

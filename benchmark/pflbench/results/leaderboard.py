@@ -85,6 +85,7 @@ def load_result_files(root: Path) -> list[tuple[Path, ResultRecord, dict]]:
         found.append((path, record, raw))
     runs: dict[str, Path] = {}
     models: dict[tuple, Path] = {}
+    transcripts: dict[tuple, Path] = {}
     for path, record, _ in found:
         if record.kind != "run":
             continue
@@ -101,6 +102,14 @@ def load_result_files(root: Path) -> list[tuple[Path, ResultRecord, dict]]:
             raise UserError(
                 f"{path}: the same final model as {models[key]}, another seed of the same row: "
                 "a copy would count as a seed of its own"
+            )
+        # The model's digest is only a claim; the transcripts are what re-scoring reads (their
+        # digests must match the filed hypotheses), so a copied seed shows in them.
+        key = (group_key(record), tuple(sorted(record.outputs.hypotheses.items())))
+        if record.outputs.hypotheses and transcripts.setdefault(key, path) != path:
+            raise UserError(
+                f"{path}: the same transcripts of every eval set as {transcripts[key]}, another "
+                "seed of the same row: a copy would count as a seed of its own"
             )
     return found
 
