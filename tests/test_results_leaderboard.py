@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 
 from pflbench.cli import app
 from pflbench.errors import UserError
+from pflbench.numerics import NUMERICS_VERSION
 from pflbench.results.bench import synthetic_record
 from pflbench.results.leaderboard import (
     VERIFICATION_FILE,
@@ -85,6 +86,31 @@ def test_a_runs_set_overrides_name_its_row():
     text = render_golden([*records, tuned])
     assert "| perlayer-dim [federated.server.lr=0.5] (rule: " in text
     assert "| perlayer-dim (rule: " in text  # the run without overrides keeps its plain name
+
+
+def test_seeds_of_older_numerics_are_a_stale_row_of_their_own():
+    """A configuration's seeds run by code of older numerics (pflbench.numerics) never join a
+    mean with current ones: they form a row of their own, marked stale."""
+    records = load_results(GOLDEN / "results")
+    seeds = sorted(
+        (r for r in records if r.baseline == "fedavg" and r.task.name == "fx-task"),
+        key=lambda r: r.seed,
+    )
+    assert len(seeds) == 3
+    current = [
+        r.model_copy(
+            update={
+                "software": r.software.model_copy(update={"numerics_version": NUMERICS_VERSION})
+            }
+        )  # fmt: skip
+        for r in seeds[:1]
+    ]
+    others = [r for r in records if r not in seeds]
+    text = render_golden([*others, *current, *seeds[1:]])
+    rows = [line for line in text.splitlines() if "| fedavg (rule: clip)" in line]
+    assert any("| fedavg (rule: clip) | 30.00 |" in row for row in rows)  # the current seed
+    assert any("⚠ stale (numerics v1) | " in row and "(n=2)" in row for row in rows)
+    assert not any("(n=3)" in row for row in rows)
 
 
 def test_fmt_wer():
@@ -255,7 +281,16 @@ def test_a_declared_matrix_must_be_filed_whole(tmp_path):
     )
     extra_text = extra.read_text()
     extra.unlink()
-    files[(1, ())].unlink()  # a deleted seed
+    # A seed run by code of older numerics is stale work: it does not fill its place.
+    seed_1 = files[(1, ())].read_text()
+    stale = json.loads(seed_1)
+    stale["software"]["numerics_version"] = NUMERICS_VERSION - 1
+    stale["record_id"] = compute_record_id(stale)
+    files[(1, ())].unlink()
+    stale_file = files[(1, ())].with_name(f"{stale['record_id']}.json")
+    stale_file.write_text(json.dumps(stale))
+    assert "fx-task v2 fedavg @ fx-nodp: seeds [0, 2] filed, [0, 1, 2] declared by" in refusal()
+    stale_file.unlink()  # a deleted seed
     assert "fx-task v2 fedavg @ fx-nodp: seeds [0, 2] filed, [0, 1, 2] declared by" in refusal()
     # An older task version's row (seeds 0 and 1) does not stand in for today's, nor is it held
     # to today's sweep file.

@@ -153,10 +153,13 @@ class Row:
 
 
 def group_key(record: ResultRecord) -> tuple[str, str]:
+    """A row: one configuration's seeds, run by code of one numerics version (seeds of older
+    numerics form a row of their own, marked stale, never a mean with current ones)."""
     if record.kind == "reference" or record.config is None:
         return record.baseline, f"reference:{record.record_id}"
     without_seed = {key: value for key, value in record.config.items() if key != "seed"}
-    return record.baseline, config_json_hash(without_seed)
+    numerics = record_numerics_version(record)
+    return record.baseline, f"{config_json_hash(without_seed)}/numerics-{numerics}"
 
 
 def group_rows(records: list[ResultRecord]) -> list[Row]:

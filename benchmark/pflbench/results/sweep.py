@@ -22,8 +22,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pflbench.errors import UserError
+from pflbench.numerics import NUMERICS_VERSION
 from pflbench.results.plots import PlotReport, plot_results, plot_run
-from pflbench.results.schema import ResultRecord, load_record
+from pflbench.results.schema import ResultRecord, load_record, record_numerics_version
 from pflbench.results.submit import what_ran
 from pflbench.spec.names import safe_name
 from pflbench.spec.registry import Registry
@@ -139,7 +140,11 @@ def check_declared_seeds(
                         paths.append(path)
     filed: dict[str, list[int]] = {}
     for record in records:
-        if record.kind == "run" and record.config is not None:
+        if record.kind != "run" or record.config is None:
+            continue
+        # A seed of older numerics is stale work (its row is apart, pflbench.numerics): the
+        # matrix is filed whole at today's.
+        if record_numerics_version(record) == NUMERICS_VERSION:
             where = f"record {record.record_id} ({record.task.name}, {record.budget}): config"
             filed.setdefault(_matrix_key(record.config, where), []).append(record.seed)
     problems = [
