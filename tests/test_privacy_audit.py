@@ -1,6 +1,7 @@
 """The one-shot canary audit (privacy/audit.py): its statistics, the mechanism it audits (the real
 StepAggregator over many steps, with test-only faults injected), and `pflbench run` end to end."""
 
+import copy
 import json
 import math
 
@@ -378,6 +379,14 @@ def test_an_audited_run_without_noise_records_a_very_large_epsilon(
     raw["privacy"]["audit"]["epsilon_estimate"] /= 10
     with pytest.raises(UserError, match="epsilon_estimate"):
         check_audit_claim(raw["privacy"], RUN_CANARIES, "record")
+    raw["privacy"]["audit"]["epsilon_estimate"] *= 10
+    # What the lower bound rests on is pflbench's, not the record's to choose.
+    for key, value in [("canaries_held_out", 5000), ("confidence", 0.999),
+                       ("lower_bound_method", "my own")]:  # fmt: skip
+        tampered = copy.deepcopy(raw["privacy"])
+        tampered["audit"][key] = value
+        with pytest.raises(UserError, match=f"privacy.audit.{key} is"):
+            check_audit_claim(tampered, RUN_CANARIES, "record")
     raw["privacy"]["audit"] = None
     with pytest.raises(UserError, match="privacy.audit is missing"):
         check_audit_claim(raw["privacy"], RUN_CANARIES, "record")

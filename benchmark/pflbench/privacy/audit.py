@@ -192,11 +192,21 @@ def check_audit_claim(privacy: dict | None, audit_canaries: int, where: str) -> 
         if audit_canaries:
             raise UserError(f"{where}: the config inserts audit canaries; privacy.audit is missing")
         return
-    if audit.get("canaries_inserted") != audit_canaries:
-        raise UserError(
-            f"{where}: privacy.audit.canaries_inserted is {audit.get('canaries_inserted')!r}, the"
-            f" config's privacy.audit_canaries is {audit_canaries}"
-        )
+    # What the audit ran is fixed by pflbench and the config: the canaries held out are as
+    # many as those inserted, the bound's confidence and method are this module's.
+    fixed = {
+        "method": METHOD,
+        "canaries_inserted": audit_canaries,
+        "canaries_held_out": audit_canaries,
+        "confidence": CONFIDENCE,
+        "lower_bound_method": LOWER_BOUND_METHOD,
+    }
+    for key, value in fixed.items():
+        if audit.get(key) != value:
+            raise UserError(
+                f"{where}: privacy.audit.{key} is {audit.get(key)!r}, expected {value!r} (the"
+                " config's privacy.audit_canaries and pflbench's audit)"
+            )
     simulated = privacy.get("simulated") or {}
     mu = mu_of(audit["cosines"])
     expected = {
