@@ -231,6 +231,12 @@ def test_verify_passes_on_the_honest_run_and_its_stamp_is_filed(
     stamp_file.write_text(json.dumps(edited))
     with pytest.raises(UserError, match=r"verification.json .*metrics.final.cv-dev.wer"):
         recheck_filed(load_result_files(tmp_path / "results"), data)
+    # So is one claiming an exact comparison on another setup than the run's.
+    edited["eval"]["cv-dev"]["wer"] *= 2
+    edited["setup"]["torch_version"] = "made-up"
+    stamp_file.write_text(json.dumps(edited))
+    with pytest.raises(UserError, match="claims an exact comparison, but its setup is not"):
+        recheck_filed(load_result_files(tmp_path / "results"), data)
 
 
 def test_ci_refuses_a_filed_record_whose_population_is_not_its_datas(

@@ -239,6 +239,14 @@ def check_stamp(stamp: Verification, record: ResultRecord, where: str) -> None:
             f"not this record {record.record_id} (checkpoint {outputs.final_model}); run "
             "`pflbench verify` again"
         )
+    # An exact comparison is one made on the run's own setup (`verify` decides it so): a stamp
+    # claiming one elsewhere would hold the record to nothing.
+    if stamp.exact and stamp.setup != run_setup(record):
+        raise UserError(
+            f"{where}: the stamp claims an exact comparison, but its setup is not the run's"
+            f" ({stamp.setup.model_dump()} against {run_setup(record).model_dump()}); run"
+            " `pflbench verify` again"
+        )
     check_figures(record, stamp.eval, stamp.exact, where)
 
 
