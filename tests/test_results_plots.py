@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from pflbench.cli import app
 from pflbench.errors import UserError
 from pflbench.results.export import export_parquet
-from pflbench.results.figures import MANIFEST, all_result_figures, stale_figures
-from pflbench.results.leaderboard import load_results
+from pflbench.results.figures import MANIFEST, all_result_figures, first_of, stale_figures
+from pflbench.results.leaderboard import Row, load_results
 from pflbench.results.plots import draw, plot_results, plot_run
 from pflbench.results.sweep import (
     PlannedRun,
@@ -442,3 +442,19 @@ def test_sweep_dry_run_cli(tmp_path):
     lines = result.stdout.splitlines()
     assert len(lines) == 8 and all(line.startswith("to run") for line in lines)
     assert not any(tmp_path.iterdir())
+
+
+def test_a_point_is_drawn_from_the_newest_row_not_a_stale_one_with_more_seeds():
+    """Rows competing for one point: a stale row (older task version, or numerics) stands for it
+    only where nothing newer ran, however many seeds it has; a figure cannot mark it stale."""
+    records = [r for r in load_results(GOLDEN) if r.kind == "run"]
+    old = next(r for r in records if r.baseline == "fedavg" and r.task.name == "fx-task")
+    stale = Row(tuple(r for r in records if r.baseline == "fedavg" and r.task.name == "fx-task"))
+    assert len(stale.records) == 3
+    newer_task = old.model_copy(update={"task": old.task.model_copy(update={"version": 9})})
+    assert first_of([stale, Row((newer_task,))]).first is newer_task
+    newer_code = old.model_copy(
+        update={"software": old.software.model_copy(update={"numerics_version": 99})}
+    )
+    assert first_of([stale, Row((newer_code,))]).first is newer_code
+    assert len(first_of([Row((old,)), stale]).records) == 3  # same age: the most seeds

@@ -143,8 +143,17 @@ def measure(row: Row, sets: list[str]) -> Measured | None:
 
 
 def first_of(rows: list[Row]) -> Row:
-    """Of rows competing for one point: the one with the fewest overrides, then most seeds."""
-    return min(rows, key=lambda r: (len(overrides_of(r.first)), -len(r.records), r.first.record_id))
+    """Of rows competing for one point: the newest (task version, then numerics: a stale row
+    stands for a point only where nothing newer ran, and a figure cannot mark it), then the one
+    with the fewest overrides, then most seeds."""
+
+    def order(row: Row) -> tuple:
+        record = row.first
+        numerics = record.software.numerics_version or 1 if record.software else 0
+        newest = (-record.task.version, -numerics)
+        return (*newest, len(overrides_of(record)), -len(row.records), record.record_id)
+
+    return min(rows, key=order)
 
 
 def tuned_first(rows: list[Row]) -> Row:
