@@ -24,7 +24,7 @@ from pathlib import Path
 from pflbench.errors import UserError
 from pflbench.results.groups import dp_pairs, group_eval_set, is_ranked, row_label, rows_with_groups
 from pflbench.results.leaderboard import Row, cohort_size, epsilon, group_rows, is_audit, is_dp
-from pflbench.results.schema import ResultRecord
+from pflbench.results.schema import ResultRecord, record_numerics_version
 from pflbench.results.stats import row_interval
 from pflbench.results.validity import COHORT_KEY, SERVER_LR_KEY, dev_wer
 from pflbench.spec.models import Budget
@@ -149,7 +149,7 @@ def first_of(rows: list[Row]) -> Row:
 
     def order(row: Row) -> tuple:
         record = row.first
-        numerics = record.software.numerics_version or 1 if record.software else 0
+        numerics = record_numerics_version(record) if record.software else 0  # 0: a paper's row
         newest = (-record.task.version, -numerics)
         return (*newest, len(overrides_of(record)), -len(row.records), record.record_id)
 

@@ -84,8 +84,7 @@ def load_result_files(root: Path) -> list[tuple[Path, ResultRecord, dict]]:
         check_filed_where_it_belongs(record, rel, path)
         found.append((path, record, raw))
     runs: dict[str, Path] = {}
-    models: dict[tuple, Path] = {}
-    transcripts: dict[tuple, Path] = {}
+    outputs: dict[tuple, Path] = {}
     for path, record, _ in found:
         if record.kind != "run":
             continue
@@ -97,20 +96,19 @@ def load_result_files(root: Path) -> list[tuple[Path, ResultRecord, dict]]:
         # Seeds of one row train different models, except where the seed changes nothing.
         if _recipe(record).get("training") == "seed-only":
             continue
-        key = (group_key(record), record.outputs.final_model)
-        if models.setdefault(key, path) != path:
-            raise UserError(
-                f"{path}: the same final model as {models[key]}, another seed of the same row: "
-                "a copy would count as a seed of its own"
-            )
         # The model's digest is only a claim; the transcripts are what re-scoring reads (their
-        # digests must match the filed hypotheses), so a copied seed shows in them.
-        key = (group_key(record), tuple(sorted(record.outputs.hypotheses.items())))
-        if record.outputs.hypotheses and transcripts.setdefault(key, path) != path:
-            raise UserError(
-                f"{path}: the same transcripts of every eval set as {transcripts[key]}, another "
-                "seed of the same row: a copy would count as a seed of its own"
-            )
+        # digests must match the filed hypotheses), so a copied seed shows in them too.
+        hypotheses = tuple(sorted(record.outputs.hypotheses.items()))
+        for what, output in (
+            ("final model", record.outputs.final_model),
+            ("transcripts of every eval set", hypotheses),
+        ):
+            key = (group_key(record), what, output)
+            if output and outputs.setdefault(key, path) != path:
+                raise UserError(
+                    f"{path}: the same {what} as {outputs[key]}, another seed of the same row: "
+                    "a copy would count as a seed of its own"
+                )
     return found
 
 

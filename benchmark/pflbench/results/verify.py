@@ -241,11 +241,12 @@ def check_stamp(stamp: Verification, record: ResultRecord, where: str) -> None:
         )
     # An exact comparison is one made on the run's own setup (`verify` decides it so): a stamp
     # claiming one elsewhere would hold the record to nothing.
-    if stamp.exact and stamp.setup != run_setup(record):
+    setup = run_setup(record)
+    if stamp.exact and stamp.setup != setup:
         raise UserError(
             f"{where}: the stamp claims an exact comparison, but its setup is not the run's"
-            f" ({stamp.setup.model_dump()} against {run_setup(record).model_dump()}); run"
-            " `pflbench verify` again"
+            f" ({stamp.setup.model_dump()} against {setup.model_dump()}); run `pflbench verify`"
+            " again"
         )
     check_figures(record, stamp.eval, stamp.exact, where)
 
