@@ -208,6 +208,24 @@ def test_privacy_claim_mismatch(tmp_path, registry, dp_record):
     refused(tmp_path, registry, finalize(record), "claimed ε = 1.2 but the rdp accountant")
 
 
+def test_the_claimed_epsilon_is_re_accounted_to_what_two_machines_agree_to(
+    tmp_path, registry, data, dp_record
+):
+    """RDP is closed form: a claim 1e-5 off (a nudge the leaderboard could show) is refused.
+    PLD's FFTs round per CPU (1.2e-5 apart between two): such a claim is accepted, 1e-3 is not."""
+    nudged = copy.deepcopy(dp_record)
+    nudged["privacy"]["extrapolated"]["epsilon"]["rdp"]["epsilon"] *= 1 - 1e-5
+    refused(tmp_path, registry, finalize(nudged), "but the rdp accountant gives")
+    for factor, fine in ((1 + 2e-5, True), (1 + 1e-3, False)):
+        record = copy.deepcopy(dp_record)
+        record["privacy"]["extrapolated"]["epsilon"]["pld"]["epsilon"] *= factor
+        if fine:
+            run_dir = write_run(tmp_path / "pld-run", finalize(record))
+            accept(run_dir, tmp_path / "pld-results", registry, data)
+        else:
+            refused(tmp_path, registry, finalize(record), "but the pld accountant gives")
+
+
 def test_a_tampered_prv_cross_check_is_refused(tmp_path, registry, dp_record):
     record = copy.deepcopy(dp_record)
     claim = record["privacy"]["extrapolated"]["epsilon"]["prv"]

@@ -173,3 +173,7 @@ class Accountant:
     # Whether a budget may name it: it then calibrates z and its epsilon is the record's claim.
     calibrates: bool
     analyses: tuple[type, ...] = (SampledGaussian,)
+    # How closely two machines' ε agree (relative): a filed claim is re-accounted to within it.
+    # A closed-form accountant agrees to float rounding; an FFT-based one (PLD, PRV) only to the
+    # CPU's FFT rounding, which the discretization amplifies.
+    agreement_rtol: float = 1e-9

@@ -11,9 +11,9 @@ does show it, because a CPU run is deterministic:
   hypotheses, metrics, privacy statement, diagnostics, data and cohorts, bit for bit;
 - on another setup kernels round differently and training drifts: the data (the feature digests
   aside: another CPU computes other features from the same audio), the privacy statement (its
-  floats within the accountants' slack, EPSILON_RTOL) and the sampled cohorts (integer
-  randomness) must still be the record's, and each eval set's pooled WER within RERUN_TOLERANCE
-  of it.
+  numbers within what two machines' accountants agree to: within_statement_slack) and the
+  sampled cohorts (integer randomness) must still be the record's, and each eval set's pooled
+  WER within RERUN_TOLERANCE of it.
 
 Each re-run is `pflbench run` in a subprocess (sweep.py's runner), with the record's thread count.
 """
@@ -26,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from pflbench.errors import UserError
-from pflbench.results.rescore import first_difference
+from pflbench.results.rescore import differences, first_difference
 from pflbench.results.schema import ResultRecord, load_record
-from pflbench.results.submit import EPSILON_RTOL, what_ran
+from pflbench.results.submit import what_ran, within_statement_slack
 from pflbench.results.sweep import PlannedRun
 
 RERUN_TOLERANCE = 0.03  # |pooled WER re-run − recorded| on another setup (3 points ≈ 2 seed SDs)
@@ -138,14 +138,13 @@ def compare_rerun(filed: ResultRecord, fresh: ResultRecord, where: str) -> Compa
         claimed["data"], rerun["data"] = _without_feature_digests(claimed["data"], rerun["data"])
     # In this order, so a mismatch names the model before the metrics that follow from it.
     # Another CPU's FFTs round the numerical accountants' (PLD, PRV) ε differently in the last
-    # digits: there the statement's floats agree within the slack `results validate` allows.
-    float_rtol = 0.0 if exact else EPSILON_RTOL
+    # digits: there the statement's numbers agree within the slack `results validate` allows.
     found = next(
         (
             diff
             for name in fields
-            if (diff := first_difference(claimed[name], rerun[name], f"record.{name}", float_rtol))
-            is not None
+            for diff in differences(claimed[name], rerun[name], f"record.{name}")
+            if exact or not (name == "privacy" and within_statement_slack(*diff))
         ),
         None,
     )

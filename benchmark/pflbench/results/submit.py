@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from pflbench.privacy.accounting import MechanismDescription
     from pflbench.results.rescore import DataOptions
 
-EPSILON_RTOL = 1e-3  # recomputed ε vs claimed ε; accountants are deterministic, this is float slack
 EXACT_RTOL = 1e-9  # z = σ_DP·S and q = S/K are products of the claim's own numbers
 SIGMA_RTOL = 1e-6  # σ_DP vs the budget's calibration (deterministic; slack for the libraries)
 
@@ -64,6 +63,28 @@ def record_path(results_root: Path, record: ResultRecord) -> Path:
 
 def _close(a: float, b: float, rtol: float) -> bool:
     return math.isclose(a, b, rel_tol=rtol, abs_tol=0.0) or (math.isinf(a) and a == b)
+
+
+def epsilon_rtol(accountant: str) -> float:
+    """How closely a re-accounted ε must match a claim by `accountant`: as closely as two
+    machines' agree (Accountant.agreement_rtol; opacus' example-level accountants as the method
+    they run)."""
+    from pflbench.privacy.accountants import get_accountant
+    from pflbench.privacy.example import EXAMPLE_ACCOUNTANTS
+
+    return get_accountant(EXAMPLE_ACCOUNTANTS.get(accountant, accountant)).agreement_rtol
+
+
+def within_statement_slack(field: str, stated, value) -> bool:
+    """Whether two numbers at `field` (a dotted path) of a privacy statement agree as two
+    machines' statements of one run do: an accountant's results (under epsilon.<accountant>)
+    within epsilon_rtol, every other number (arithmetic on the config's) within EXACT_RTOL."""
+    if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in (stated, value)):
+        return False
+    parts = field.replace("[", ".").split(".")
+    named = [parts[i + 1] for i in range(len(parts) - 1) if parts[i] == "epsilon"]
+    rtol = epsilon_rtol(named[0]) if named else EXACT_RTOL
+    return _close(float(stated), float(value), rtol)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -366,10 +387,7 @@ def check_privacy_statement(privacy: dict | None, config: RunConfig, where: str)
     )
     claimed = {key: privacy.get(key) for key in fresh}
     for field, stated, value in differences(claimed, fresh, "privacy"):
-        numbers = all(
-            isinstance(v, int | float) and not isinstance(v, bool) for v in (stated, value)
-        )
-        if not (numbers and _close(float(stated), float(value), EPSILON_RTOL)):
+        if not within_statement_slack(field, stated, value):
             raise UserError(
                 f"{where}: {field} is {stated!r}, but pflbench's privacy statement for this "
                 f"config and σ_DP says {value!r}"
@@ -450,7 +468,7 @@ def _check_example_scale(
             if item.get(key) is None or not _close(float(item[key]), value, EXACT_RTOL):
                 raise UserError(f"{at}.{key} is {item.get(key)!r}, expected {value!r}")
         fresh[name] = example_epsilon(z, q, steps, delta, name).epsilon
-        if not _close(float(item["epsilon"]), fresh[name], EPSILON_RTOL):
+        if not _close(float(item["epsilon"]), fresh[name], epsilon_rtol(name)):
             raise UserError(
                 f"{at}: claimed ε = {item['epsilon']!r} but opacus' {name} accountant gives "
                 f"{fresh[name]!r} for z = {z}, q = {q}, T = {steps}, δ = {delta}"
@@ -512,7 +530,7 @@ def check_epsilon_claim(
     for key, value in analysed.items():
         if item.get(key) is None or not _close(float(item[key]), value, EXACT_RTOL):
             raise UserError(f"{where}.{key} is {item.get(key)!r}, expected {value!r}")
-    if not _close(float(item["epsilon"]), fresh.epsilon, EPSILON_RTOL):
+    if not _close(float(item["epsilon"]), fresh.epsilon, epsilon_rtol(name)):
         raise UserError(
             f"{where}: claimed ε = {item['epsilon']!r} but the {name} accountant gives "
             f"{fresh.epsilon!r} for {described}, δ = {delta}"
