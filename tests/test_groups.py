@@ -16,6 +16,7 @@ from pflbench.data.corpora import (
 )
 from pflbench.data.prepare import split_notes
 from pflbench.evaluate import group_counts
+from pflbench.numerics import NUMERICS_VERSION
 from pflbench.results.groups import MIN_SPEAKERS, render_groups, row_group_wers, worst_group
 from pflbench.results.leaderboard import Row, cell, load_results, render_leaderboard
 from pflbench.results.schema import EvalResult
@@ -184,7 +185,12 @@ def test_leaderboard_shows_worst_group_and_dp_gap_per_group():
     assert row_group_wers(dp, next(iter(_test_sets(dp[0]))))["accent"]["y"].wer == pytest.approx(
         0.6
     )
-    text = render_groups([Row(tuple(dp)), Row(tuple(base))], lambda b: b != NO_DP, cell)
+    text = render_groups(
+        [Row(tuple(dp)), Row(tuple(base))],
+        lambda b: b != NO_DP,
+        cell,
+        lambda row: cell(row.first.baseline),
+    )
     worst = next(
         line for line in text.splitlines() if line.startswith(f"| {dp_key[0]} | {dp_key[1]}")
     )
@@ -195,6 +201,46 @@ def test_leaderboard_shows_worst_group_and_dp_gap_per_group():
     assert gap.endswith("| +10.00 | +4.00 |")
     full = render_leaderboard(dp + base, budgets=BUDGETS)
     assert "### per-group WER" in full and "DP's cost per group" in full
+
+
+def _current(records, group_wers: dict[str, float]):
+    """The records as if run by today's code (numerics), with other group WERs."""
+    out = []
+    for r in records:
+        r = _with_groups(r, group_wers, MIN_SPEAKERS)
+        r.software.numerics_version = NUMERICS_VERSION
+        out.append(r)
+    return out
+
+
+def test_stale_rows_are_marked_and_pair_only_with_stale_partners():
+    """The golden records are numerics v1: beside today's runs of the same configurations, the
+    per-group table marks them as the main tables do, and each DP row's cost is taken against
+    the no-DP row of its own numerics (today 36/60 against 20/56: +16/+4; stale 40/60 against
+    30/56: +10/+4)."""
+    dp_key, dp, base = _grouped_dp_pair()
+    now_dp = _current(dp, {"x": 0.36, "y": 0.60})
+    now_base = _current(base, {"x": 0.20, "y": 0.56})
+    text = render_leaderboard(dp + base + now_dp + now_base, budgets=BUDGETS)
+    rows = [
+        line
+        for line in text[text.index("### per-group WER") :].splitlines()
+        if line.startswith(f"| {dp_key[0]}") and f" | {dp_key[1]} |" in line
+    ]
+    stale = [line for line in rows if "⚠ stale (numerics v1) |" in line]
+    current = [line for line in rows if "⚠" not in line]
+    # One worst-group line and one DP-cost line each.
+    assert len(stale) == len(current) == 2
+    assert stale[-1].endswith("| +10.00 | +4.00 |")
+    assert current[-1].endswith("| +16.00 | +4.00 |")
+    # A figure cannot mark a series stale: of the two rows behind one label it draws today's.
+    from pflbench.results.figures import group_figures
+    from pflbench.results.leaderboard import group_rows
+
+    wer, gap = group_figures(group_rows(dp + base + now_dp + now_base), "fx-task", BUDGETS)
+    labels = [series["label"] for series in wer.data["series"]]
+    assert len(labels) == len(set(labels))
+    assert [series["values"]["accent"] for series in gap.data["series"]] == [[16.0, 4.0]]
 
 
 def test_plot_draws_group_wer_and_dp_gap(tmp_path):

@@ -436,7 +436,10 @@ def group_figures(rows: list[Row], task: str, budgets) -> list[Figure | str]:
     eval_set = group_eval_set([r for row in rows for r in row.records])
     if eval_set is None:
         return [f"{task}-group-wer: no records with per-group WER"]
-    found = rows_with_groups(rows, eval_set)
+    series_of: dict[tuple[str, str], list[Row]] = {}
+    for row in rows:  # rows a series' label cannot tell apart (a stale one, say): first_of's
+        series_of.setdefault((row_label(row.first), row.first.budget), []).append(row)
+    found = rows_with_groups([first_of(competing) for competing in series_of.values()], eval_set)
     gaps = [
         (row, {a: {n: v.wer - base[a][n].wer for n, v in by_name.items() if n in base.get(a, {})}
                for a, by_name in groups.items()})

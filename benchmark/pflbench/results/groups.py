@@ -13,7 +13,7 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from pflbench.results.schema import ResultRecord
+from pflbench.results.schema import ResultRecord, record_numerics_version
 from pflbench.spec.resolve import config_json_hash
 
 MIN_SPEAKERS = 5
@@ -91,10 +91,12 @@ def row_label(record: ResultRecord) -> str:
     return f"{record.baseline} [{', '.join(f'{k}={v}' for k, v in sorted(overrides.items()))}]"
 
 
-def partner_key(record: ResultRecord) -> tuple[str, str]:
-    """Rows that differ only in the seed and the budget share this key."""
+def partner_key(record: ResultRecord) -> tuple[str, int, str]:
+    """Rows that differ only in the seed and the budget share this key (the config holds the
+    task's version; the numerics version is the code's, so a stale row pairs only with one as
+    stale)."""
     config = {k: v for k, v in (record.config or {}).items() if k not in ("seed", "budget")}
-    return record.baseline, config_json_hash(config)
+    return record.baseline, record_numerics_version(record), config_json_hash(config)
 
 
 def group_eval_set(records: list[ResultRecord]) -> str | None:
@@ -112,9 +114,10 @@ def _pct(value: float) -> str:
     return f"{100 * value:.2f}"
 
 
-def render_groups(rows, is_dp, cell) -> str:
+def render_groups(rows, is_dp, cell, label) -> str:
     """Markdown: the worst-group table and, per attribute, the DP gap per group.
-    rows: leaderboard Rows of one task; is_dp(budget name) -> bool; cell escapes text."""
+    rows: leaderboard Rows of one task; is_dp(budget name) -> bool; cell escapes text;
+    label(row): the row's baseline cell as the leaderboard's tables show it (stale rows marked)."""
     records = [r for row in rows for r in row.records]
     eval_set = group_eval_set(records)
     if eval_set is None:
@@ -137,7 +140,7 @@ def render_groups(rows, is_dp, cell) -> str:
             g.wer for by_name in groups.values() for n, g in by_name.items() if is_ranked(n, g)
         ]
         wers = [r.metrics.final[eval_set].wer for r in with_group_counts(row.records, eval_set)]
-        cells = [cell(row_label(row.first)), cell(row.first.budget), str(len(wers))]
+        cells = [label(row), cell(row.first.budget), str(len(wers))]
         cells += [_pct(statistics.fmean(wers))]
         if worst is None:
             cells += ["–", "–", "–"]
@@ -150,11 +153,11 @@ def render_groups(rows, is_dp, cell) -> str:
             ]
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
-    lines.append(render_dp_gaps(with_groups, is_dp, cell))
+    lines.append(render_dp_gaps(with_groups, is_dp, cell, label))
     return "\n".join(lines)
 
 
-def render_dp_gaps(with_groups, is_dp, cell) -> str:
+def render_dp_gaps(with_groups, is_dp, cell, label) -> str:
     """Per attribute: for each DP row with a no-DP partner, group WER minus the partner's."""
     pairs = dp_pairs(with_groups, is_dp)
     if not pairs:
@@ -182,7 +185,7 @@ def render_dp_gaps(with_groups, is_dp, cell) -> str:
             "|" + "---|" * len(head),
         ]
         for row, groups, base in pairs:
-            cells = [cell(row_label(row.first)), cell(row.first.budget)]
+            cells = [label(row), cell(row.first.budget)]
             for n in names:
                 a, b = groups.get(attribute, {}).get(n), base.get(attribute, {}).get(n)
                 cells.append("–" if a is None or b is None else f"{100 * (a.wer - b.wer):+.2f}")

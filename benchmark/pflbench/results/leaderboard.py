@@ -518,7 +518,12 @@ def render_leaderboard(
             parts.append(budget_title(name, budgets.get(name)) + "\n")
             rows = group_rows(by_budget[name])
             parts.append(render_table(rows, columns, roles, version, reevaluated or set()))
-        groups = render_groups(group_rows(task_records), lambda b: is_dp(b, budgets), cell)
+        groups = render_groups(
+            group_rows(task_records),
+            lambda b: is_dp(b, budgets),
+            cell,
+            lambda row, version=version: fmt_baseline(row, version),
+        )
         if groups:
             parts.append(groups)
         if audits:
