@@ -232,6 +232,16 @@ def test_overrides_apply_in_order_and_parse_types():
         (["privacy.accountant=pld"], "accountant: unknown key"),
         # client-side noise is only right with exactly S users per step
         (["privacy.noise_placement=client"], "needs federated.sampling: fixed"),
+        # a section set whole beside one of its keys: the outcome would depend on the order,
+        # which a record's overrides do not keep
+        (
+            ["federated.server.lr=0.01", "federated.server={optimizer: adam}"],
+            "federated.server and --set federated.server.lr overlap",
+        ),
+        (
+            ["federated.server={optimizer: adam}", "federated.server.lr=0.01"],
+            "federated.server.lr and --set federated.server overlap",
+        ),
     ],
 )
 def test_bad_set_overrides(sets, needle):

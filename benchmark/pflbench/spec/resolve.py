@@ -47,6 +47,16 @@ def parse_set(assignments: list[str]) -> tuple[dict, dict[str, str]]:
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 raise UserError(f"--set {item!r}: {part!r} is set both as a value and a section")
+        overlapping = next(
+            (k for k in given if k.startswith(key + ".") or key.startswith(k + ".")), None
+        )
+        if overlapping is not None:
+            # A section set whole would replace (or merge with) the other key's value depending
+            # on the order, and a record's overrides (a mapping) keep no order.
+            raise UserError(
+                f"--set {key} and --set {overlapping} overlap: set the section's keys one by one, "
+                "or all of them in the one mapping"
+            )
         node[parts[-1]] = value
         given[key] = raw
     return nested, given
