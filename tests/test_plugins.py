@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,82 @@ def test_a_plugin_that_fails_to_import_is_named_in_the_error(tmp_path):
         plugins.load_plugin(str(broken))
     with pytest.raises(UserError, match="plug-in .*missing.py: no such file"):
         plugins.load_plugin(str(tmp_path / "missing.py"))
+
+
+REGISTERS = "from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS as S\n"
+
+
+def test_two_plugins_of_one_name_are_refused_and_one_file_named_twice_loads_once(
+    tmp_path, monkeypatch
+):
+    """A record names plug-ins by name: two of one name could not both be checked."""
+    for folder, entry in (("p1", "a"), ("p2", "b")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "methods.py").write_text(
+            REGISTERS + f"S.register('{entry}', S['sgd'])\n"
+        )
+    first = plugins.load_plugin(str(tmp_path / "p1" / "methods.py"))
+    monkeypatch.chdir(tmp_path)
+    assert plugins.load_plugin("./p1/../p1/methods.py") is first  # the same file, spelt otherwise
+    with pytest.raises(UserError, match="p2/methods.py are both named 'methods'.*rename one"):
+        plugins.load_plugin(str(tmp_path / "p2" / "methods.py"))
+    monkeypatch.syspath_prepend(str(tmp_path / "p2"))
+    with pytest.raises(UserError, match="and methods are both named 'methods'"):
+        plugins.load_plugin("methods")  # a module of that name is another plug-in
+
+
+def test_a_plugins_digest_covers_the_code_it_runs(tmp_path, monkeypatch):
+    """A module's whole top-level package; a file with the helper beside it that it imports."""
+    package = tmp_path / "my_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "core.py").write_text("SCALE = 1.0\n")
+    (package / "methods.py").write_text(
+        "from my_pkg.core import SCALE\n" + REGISTERS + "S.register('pkg-sgd', S['sgd'])\n"
+    )
+    (tmp_path / "helper.py").write_text("SCALE = 1.0\n")
+    (tmp_path / "beside.py").write_text(
+        "import helper\n" + REGISTERS + "S.register('beside-sgd', S['sgd'])\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    digests = {}
+    for edit in (False, True):
+        if edit:
+            (package / "core.py").write_text("SCALE = 100.0\n")
+            (tmp_path / "helper.py").write_text("SCALE = 100.0\n")
+            for name in ("my_pkg", "my_pkg.core", "my_pkg.methods", "helper"):
+                monkeypatch.delitem(sys.modules, name)
+            plugins._loaded.clear()
+            for point in plugins.EXTENSION_POINTS:
+                for name in ("pkg-sgd", "beside-sgd"):
+                    dict.pop(point, name, None)
+        digests[edit] = (
+            plugins.load_plugin("my_pkg.methods").sha256,
+            plugins.load_plugin(str(tmp_path / "beside.py")).sha256,
+        )
+    assert digests[False][0] != digests[True][0]
+    assert digests[False][1] != digests[True][1]
+
+
+def test_a_registry_changes_only_by_register():
+    with pytest.raises(UserError, match="server optimizer registry changes only by register"):
+        SERVER_OPTIMIZERS["adam"] = SERVER_OPTIMIZERS["sgd"]
+    with pytest.raises(UserError, match="changes only by register"):
+        SERVER_OPTIMIZERS.update(adam=SERVER_OPTIMIZERS["sgd"])
+    with pytest.raises(UserError, match="changes only by register"):
+        del SERVER_OPTIMIZERS["adam"]
+    assert SERVER_OPTIMIZERS.origins["adam"] == BUILTIN
+
+
+def test_a_plugins_refusal_or_exit_names_the_plugin(tmp_path):
+    clash = tmp_path / "clash.py"
+    clash.write_text(REGISTERS + "S.register('adam', S['sgd'])\n")
+    with pytest.raises(UserError, match="plug-in .*clash.py: server optimizer 'adam' is already"):
+        plugins.load_plugin(str(clash))
+    leaves = tmp_path / "leaves.py"
+    leaves.write_text("import sys\nsys.exit('no GPU, bye')\n")
+    with pytest.raises(UserError, match="plug-in .*leaves.py: failed to load .*no GPU, bye"):
+        plugins.load_plugin(str(leaves))
 
 
 def _specs_with(tmp_path: Path, specs_dir: Path, baseline: Path | None = None) -> Path:  # noqa: F811

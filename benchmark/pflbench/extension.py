@@ -2,8 +2,9 @@
 accountants, client algorithms, privacy mechanisms), which built-in modules and plug-ins
 (pflbench.plugins) fill.
 
-An `ExtensionPoint` is a dict from name to entry. Looking up a name it lacks raises a UserError
-that lists the known names; registering a name twice is refused, naming who registered it first.
+An `ExtensionPoint` is a dict from name to entry, changed only by `register`. Looking up a name it
+lacks raises a UserError that lists the known names; registering a name twice is refused, naming
+who registered it first.
 Each name remembers its origin ("built-in", or the plug-in being loaded), so that a run's record
 can say which of its methods came from outside pflbench. Specs hold names only (pflbench.spec is
 pure data); pflbench.methods checks a spec's names against these registries.
@@ -61,6 +62,15 @@ class ExtensionPoint(dict):
         super().__setitem__(name, entry)
         self.origins[name] = _loading[-1] if _loading else BUILTIN
         return entry
+
+    def _refuse_change(self, *args, **kwargs) -> None:
+        raise UserError(
+            f"the {self.kind} registry changes only by register(name, entry), which refuses a "
+            "name registered twice (an assignment would replace a method unrecorded)"
+        )
+
+    __setitem__ = __delitem__ = __ior__ = _refuse_change
+    update = setdefault = pop = popitem = clear = _refuse_change
 
     def __missing__(self, name: str) -> Any:
         raise UserError(

@@ -2,10 +2,15 @@
 optimizers, privacy mechanisms, accountants, corpora) in the extension points
 (pflbench.extension).
 
-A plug-in is a Python file or an importable module (a package: all its .py files), named by
-`--plugin PATH_OR_MODULE` (repeatable), by PFLBENCH_PLUGINS (os.pathsep-separated) or by an
-installed distribution's entry point in the group `pflbench.plugins`. Importing it registers its
-entries; nothing else is required of it. A plug-in may set `__version__`.
+A plug-in is a Python file or an importable module, named by `--plugin PATH_OR_MODULE`
+(repeatable), by PFLBENCH_PLUGINS (os.pathsep-separated) or by an installed distribution's entry
+point in the group `pflbench.plugins`. Importing it registers its entries; nothing else is
+required of it. A plug-in may set `__version__`. Its name (a file's stem, or the module's name)
+identifies it in records, so two plug-ins of one name are refused.
+
+Its source, digested, is every file of its code: a module's whole top-level package (a module
+`my_pkg.methods` runs `my_pkg.core` too); a file with the modules its import brought in from its
+own folder (a helper beside it).
 
 Every run's record names each plug-in loaded (name, version, sha256 of its source files, what it
 registered); `pflbench submit` refuses a record whose plug-ins are not loaded with the same source,
@@ -55,6 +60,7 @@ class Plugin:
 
 
 _loaded: dict[str, Plugin] = {}  # by name, in load order
+_identity: dict[str, str] = {}  # name -> the resolved file or the module it was loaded from
 
 
 def source_digest(files: list[Path], root: Path) -> str:
@@ -65,13 +71,29 @@ def source_digest(files: list[Path], root: Path) -> str:
     return h.hexdigest()
 
 
-def _module_files(module) -> tuple[list[Path], Path]:
+def _source_files(module, from_file: bool, imported: list) -> tuple[list[Path], Path]:
+    """The plug-in's code (module docstring) and the folder its paths are relative to.
+    `imported`: the modules its import brought in."""
     file = Path(getattr(module, "__file__", "") or "")
     if not file.is_file():
         raise UserError(f"plug-in {module.__name__!r} has no source file to digest")
-    if file.name == "__init__.py":  # a package: every .py file under it
-        return sorted(file.parent.rglob("*.py")), file.parent
-    return [file], file.parent
+    if not from_file:
+        top = sys.modules[module.__name__.partition(".")[0]]
+        top_file = Path(getattr(top, "__file__", "") or "")
+        if top_file.name == "__init__.py":  # a package: every .py file under it
+            return sorted(top_file.parent.rglob("*.py")), top_file.parent
+    root = file.parent.resolve()
+    # Not pflbench's own modules nor installed ones (a virtualenv may lie inside the folder).
+    installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix)}
+    beside = {
+        path
+        for m in imported
+        if (path := Path(getattr(m, "__file__", None) or "").resolve()).suffix == ".py"
+        and root in path.parents
+        and not installed & set(path.parents)
+        and m.__name__.partition(".")[0] != "pflbench"
+    }
+    return sorted({file.resolve(), *beside}), root
 
 
 def _is_file(spec: str) -> bool:
@@ -83,13 +105,17 @@ def plugin_name(spec: str) -> str:
     return Path(spec).stem if _is_file(spec) else spec
 
 
+def _identity_of(spec: str) -> str:
+    return f"file {Path(spec).resolve()}" if _is_file(spec) else f"module {spec}"
+
+
 def _import(spec: str):
     """The module a --plugin value names: a .py file's path, or an importable module name."""
     if not _is_file(spec):
         return importlib.import_module(spec)
     path = Path(spec)
     if not path.is_file():
-        raise UserError(f"plug-in {spec}: no such file")
+        raise UserError("no such file")
     module_spec = importlib.util.spec_from_file_location(f"pflbench_plugin_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_spec.name] = module
@@ -100,19 +126,25 @@ def _import(spec: str):
 def load_plugin(spec: str, source: str | None = None) -> Plugin:
     """Imports one plug-in (once: loading it again returns the first load) and records what it
     registered. A plug-in that fails to import is an error naming it and the failure."""
-    for plugin in _loaded.values():
-        if spec in (plugin.source, plugin.name):
-            return plugin
-    name = plugin_name(spec)
+    name, identity = plugin_name(spec), _identity_of(spec)
+    if name in _loaded:
+        if _identity.get(name) == identity:
+            return _loaded[name]
+        raise UserError(
+            f"plug-ins {_loaded[name].source} and {spec} are both named {name!r}, and a record "
+            "names its plug-ins by name: rename one"
+        )
     origin = f"plug-in {name}"
+    before = set(sys.modules)
     try:
         with registering_as(origin):
             module = _import(spec)
-    except UserError:
-        raise
-    except Exception as exc:  # a researcher's code: say which plug-in and what went wrong
+    except UserError as exc:
+        raise UserError(f"plug-in {spec}: {exc}") from exc
+    except (Exception, SystemExit) as exc:  # a researcher's code: say which and what went wrong
         raise UserError(f"plug-in {spec}: failed to load ({type(exc).__name__}: {exc})") from exc
-    files, root = _module_files(module)
+    imported = [sys.modules[m] for m in set(sys.modules) - before]
+    files, root = _source_files(module, _is_file(spec), imported)
     registered = {
         point.kind: names
         for point in EXTENSION_POINTS
@@ -121,7 +153,7 @@ def load_plugin(spec: str, source: str | None = None) -> Plugin:
     version = getattr(module, "__version__", None)
     plugin = Plugin(name, str(version) if version is not None else None,
                     source_digest(files, root), source or spec, registered)  # fmt: skip
-    _loaded[name] = plugin
+    _loaded[name], _identity[name] = plugin, identity
     return plugin
 
 
