@@ -26,7 +26,7 @@ from pflbench.fl.distributed import DistContext
 from pflbench.fl.simulator import Simulator
 from pflbench.model.transformer import build_model
 from pflbench.numerics import NUMERIC_PACKAGES
-from pflbench.results.schema import load_record
+from pflbench.results.schema import compute_record_id, load_record
 from pflbench.rundir import latest_checkpoint
 from pflbench.runner import RunOptions, run
 from pflbench.spec.models import Recipe
@@ -276,6 +276,46 @@ def test_resuming_with_other_parallel_clients_is_refused(env, tmp_path):
             resume=True,
             options=RunOptions(progress=False, parallel_clients=2),
         )
+
+
+def test_resuming_on_other_inputs_is_refused(env, tmp_path):
+    """A checkpoint carries the digests of the data and starting weights (the record's) and of
+    the plug-ins; a plug-in loaded only for the resume is another input: refused, naming it."""
+    from pflbench import plugins
+
+    config = _config(env, "perlayer-dim")
+    stopped = RunOptions(progress=False, checkpoint_every=1, stop_after=2)
+    run_dir = run(config, out_dir=tmp_path / "r", options=stopped)
+    _, meta = load_checkpoint(latest_checkpoint(run_dir))
+    helper = tmp_path / "extra_sgd.py"
+    helper.write_text(
+        "from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS as S\n"
+        "S.register('extra-sgd', S['sgd'])\n"
+    )
+    saved = dict(plugins._loaded)
+    plugins.load_plugin(str(helper))
+    try:
+        with pytest.raises(UserError, match="began on other inputs .*plugins extra_sgd changed"):
+            run(config, out_dir=run_dir, resume=True, options=RunOptions(progress=False))
+    finally:
+        plugins._loaded.clear()
+        plugins._loaded.update(saved)
+        dict.pop(plugins.SERVER_OPTIMIZERS, "extra-sgd")
+    run(config, out_dir=run_dir, resume=True, options=RunOptions(progress=False))
+    record, raw = load_record(run_dir / "record.json")
+    assert meta["inputs"] == {"data": record.data.digests, "plugins": {}}
+    # What preparation skipped is on the terminal too, not only in the record.
+    from pflbench.cli.run import run_summary
+
+    assert not [line for line in run_summary(run_dir) if "skipped" in line]
+    raw["data"]["skipped"]["cv-test"] = {
+        "counts": {"truncated_audio": 2, "malformed_tsv_row": 1},
+        "examples": {"truncated_audio": ["clip_7"], "malformed_tsv_row": ["line 9"]},
+    }
+    raw["record_id"] = compute_record_id(raw)
+    (run_dir / "record.json").write_text(json.dumps(raw))
+    assert "data cv-test: skipped 3 (malformed_tsv_row 1, e.g. line 9; truncated_audio 2, e.g. "
+    "clip_7) (all in the record's data.skipped)" in run_summary(run_dir)
 
 
 def test_a_compiled_run_says_so_and_resumes_only_compiled(env, tmp_path):

@@ -32,6 +32,7 @@ from pflbench.fl.distributed import DistContext, barrier, init_from_env, shutdow
 from pflbench.fl.freeze import trained_tensors
 from pflbench.fl.simulator import Simulator
 from pflbench.metrics_log import MetricsLog
+from pflbench.plugins import loaded_plugins
 from pflbench.privacy.run import check_run_privacy, epsilon_so_far, privacy_claim, run_sigma_dp
 from pflbench.privacy.sampling import sampling_rate
 from pflbench.progress import make_progress
@@ -88,6 +89,7 @@ class Prepared:
     seed_path: Path | None
     config_hash: str  # computed once: checkpoints and the record carry it
     elapsed: Elapsed  # the run's wall time, over its resumed processes too
+    inputs: dict  # run_inputs: checkpoints carry it, a resumed run must start from the same
 
 
 @dataclass
@@ -130,7 +132,7 @@ def run(
             raise UserError(f"task {config.task.name!r}: the federated training data has no users")
         prepared = Prepared(
             config, run_dir, ctx, device, options, data, model, seed_path, config_hash(config),
-            elapsed,
+            elapsed, run_inputs(data, seed_path),
         )  # fmt: skip
         outcome = TRAININGS[config.recipe.training](prepared)
         if outcome is not None and ctx.is_main:
@@ -142,6 +144,14 @@ def run(
 
 # ----------------------------------------------------------------------------------------------
 # Preparation
+
+
+def run_inputs(data, seed_path: Path | None) -> dict:
+    """What a run's steps were computed from beyond its config: every data set and the starting
+    weights (their digests, as the record states them) and the plug-ins' sources. A run resumed
+    on other inputs would be one record of two runs."""
+    plugins = {plugin.name: plugin.sha256 for plugin in loaded_plugins()}
+    return {"data": data_info(data, seed_path).digests, "plugins": plugins}
 
 
 def prepare_data(config: RunConfig, data_root: Path | None, progress: bool):
@@ -303,7 +313,8 @@ def _save_step_checkpoint(p: Prepared, step: int, tensors: dict, meta: dict) -> 
     """A training's checkpoint after `step` steps, with what every one carries (the config hash,
     the run's elapsed time); older ones pruned."""
     path = p.run_dir / "checkpoints" / f"step-{step:07d}.safetensors"
-    meta = {"step": step, **meta, "config_hash": p.config_hash, ELAPSED: p.elapsed.seconds()}
+    meta = {"step": step, **meta, "config_hash": p.config_hash, "inputs": p.inputs}
+    meta[ELAPSED] = p.elapsed.seconds()
     save_checkpoint(path, tensors, meta)
     prune_checkpoints(p.run_dir, path)
 
@@ -327,6 +338,19 @@ def _latest_state(p: Prepared) -> tuple[dict | None, dict]:
         raise UserError(
             f"{run_dir} was run with the local step {was or 'eager'}; resume it the same way"
             f" (`--compile`: inductor), not {now or 'eager'}"
+        )
+    began = meta.get("inputs")  # None: a checkpoint from before inputs were stored
+    if began is not None and began != p.inputs:
+        changed = [
+            f"{part} {name}"
+            for part in ("data", "plugins")
+            for name in sorted(set(began.get(part, {})) | set(p.inputs[part]))
+            if began.get(part, {}).get(name) != p.inputs[part].get(name)
+        ]
+        raise UserError(
+            f"{run_dir} began on other inputs than it would resume on ({', '.join(changed)} "
+            "changed since its last checkpoint): one record would mix two runs. Restore them, "
+            "or start the run again in a new folder"
         )
     p.elapsed.resume(meta)
     return tensors, meta

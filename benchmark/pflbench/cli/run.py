@@ -44,6 +44,8 @@ def _epsilons(scale, per_example: bool = False) -> str:
 def run_summary(run_dir: Path) -> list[str]:
     """A few lines a person reads at the end of `pflbench run`: WER/CER per eval set next to the
     seed model's, ε at the simulated and the extrapolated scale, wall time, where things are."""
+    from pflbench.data.corpora import Skips
+    from pflbench.data.prepare import skipped_summary
     from pflbench.progress import hms
     from pflbench.results.schema import load_record
 
@@ -78,6 +80,10 @@ def run_summary(run_dir: Path) -> list[str]:
             f" out, δ = {audit.delta:g}): ε estimate {audit.epsilon_estimate:.3g}, lower bound"
             f" {audit.epsilon_lower_bound:.3g} ({100 * audit.confidence:g}% confidence)"
         )
+    for split, skipped in sorted((record.data.skipped if record.data else {}).items()):
+        summary = skipped_summary(Skips.from_dict(skipped))  # nothing silently dropped
+        if summary:
+            lines.append(f"data {split}{summary} (all in the record's data.skipped)")
     wall = record.compute.wall_seconds
     if wall is not None:
         lines.append(f"wall time: {hms(wall)}" if wall >= 60 else f"wall time: {wall:.1f} s")

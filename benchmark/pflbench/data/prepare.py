@@ -146,41 +146,50 @@ def source_manifest(
 
 def store_key(entries: list[Entry], language: str, root: Path) -> str:
     """The feature store's cache key: manifest + normalizer + tokenizer + feature config, each
-    row's audio named by its path relative to the data root and its size, so that the same
-    corpus in another folder finds the same store (the store's own digests hash its content)."""
+    row's audio named by its path relative to the data root, its size and its modification time
+    (as make and rsync tell a changed file: a clip re-synthesized or corrected in place keeps its
+    size, PCM of one duration always does), so that the same corpus moved to another folder finds
+    the same store. The store's own digests hash its content."""
     h = hashlib.sha256()
     config = {
         "manifest": MANIFEST_VERSION, "normalizer": NORMALIZER_VERSION, "features": FEATURE_CONFIG,
         "vocab": tokenizer_for(language).vocab,
     }  # fmt: skip
     h.update(json.dumps(config, sort_keys=True).encode())
-    part_sizes: dict[str, int] = {}
+    part_stamps: dict[str, str] = {}
     for e in sorted(entries, key=lambda e: e.utt_id):
-        audio = _relative_audio(e.audio, root, part_sizes)
+        audio = _relative_audio(e.audio, root, part_stamps)
         h.update(f"{e.utt_id}\t{e.user_id}\t{audio}\t{e.text}\n".encode())
     return h.hexdigest()
 
 
-def _relative_audio(ref: str, root: Path, part_sizes: dict[str, int]) -> str:
-    """`path:size` of a manifest audio reference with the path relative to `root`; a Hugging Face
-    row `hf:<part>#<row>` is named by its part (whose sizes `part_sizes` caches) and row."""
+def _relative_audio(ref: str, root: Path, part_stamps: dict[str, str]) -> str:
+    """`path:stamp` of a manifest audio reference with the path relative to `root`; a Hugging
+    Face row `hf:<part>#<row>` is named by its part (whose stamps `part_stamps` caches) and row."""
     if not ref.startswith("hf:"):
-        return f"{os.path.relpath(ref, root)}:{_size(Path(ref))}"
+        return f"{os.path.relpath(ref, root)}:{_stamp(Path(ref))}"
     part, _, row = ref.removeprefix("hf:").rpartition("#")
-    if part not in part_sizes:
-        part_sizes[part] = _size(Path(part))
-    return f"hf:{os.path.relpath(part, root)}#{row}:{part_sizes[part]}"
+    if part not in part_stamps:
+        part_stamps[part] = _stamp(Path(part))
+    return f"hf:{os.path.relpath(part, root)}#{row}:{part_stamps[part]}"
 
 
-def _size(path: Path) -> int:
-    """Bytes of a file or of the files in a folder (a saved dataset); -1 when missing (the store
-    counts the row as a skip when it reads it)."""
+def _stamp(path: Path) -> str:
+    """`size:mtime_ns` of a file, or of the files in a folder (a saved dataset: their total size,
+    the newest time); "missing" (the store counts the row as a skip when it reads it)."""
     try:
         if path.is_dir():
-            return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-        return path.stat().st_size
+            stats = [p.stat() for p in path.rglob("*") if p.is_file()]
+            size, mtime = (
+                sum(s.st_size for s in stats),
+                max((s.st_mtime_ns for s in stats), default=0),
+            )
+        else:
+            stat = path.stat()
+            size, mtime = stat.st_size, stat.st_mtime_ns
     except OSError:
-        return -1
+        return "missing"
+    return f"{size}:{mtime}"
 
 
 def split_label(corpus: str, subsets: list[str], locale: str | None) -> str:
@@ -206,14 +215,33 @@ def prepare_split(
     folder = cache_dir / "features" / f"{label}-{key[:16]}"
     report = {**info, "utterances_in_manifest": len(entries), "skipped": skips.to_dict()}
     if progress is None:
-        return build_store(folder, entries, language, report)
-    bar = progress.add_task(f"features {name}", total=max(len(entries), 1))
-    store = build_store(
-        folder, entries, language, report,
-        on_progress=lambda done, total: progress.update(bar, completed=done, total=max(total, 1)),
-    )  # fmt: skip
-    progress.update(bar, completed=max(len(entries), 1))
+        store = build_store(folder, entries, language, report)
+    else:
+        bar = progress.add_task(f"features {name}", total=max(len(entries), 1))
+
+        def on_progress(done: int, total: int) -> None:
+            progress.update(bar, completed=done, total=max(total, 1))
+
+        store = build_store(folder, entries, language, report, on_progress=on_progress)
+        progress.update(bar, completed=max(len(entries), 1))
+    if not store.users():
+        raise UserError(
+            f"{name}: none of its {len(entries)} utterances under {root} could be used"
+            f"{skipped_summary(Skips.from_dict(store.report.get('skipped', {})))}"
+        )
     return store
+
+
+def skipped_summary(skips: Skips) -> str:
+    """`: skipped N (reason n, e.g. id; ...)`, or "" when nothing was skipped."""
+    if not skips.total:
+        return ""
+    reasons = "; ".join(
+        f"{reason} {n}"
+        + (f", e.g. {skips.examples[reason][0]}" if skips.examples.get(reason) else "")
+        for reason, n in sorted(skips.counts.items())
+    )
+    return f": skipped {skips.total} ({reasons})"
 
 
 @contextmanager
@@ -268,7 +296,10 @@ def _prepare_source(
     skips = Skips()
     entries, info, notes = source_manifest(root, source, task.language, skips)
     if not entries:
-        raise UserError(f"task {task.name!r}: the {name} data has no usable utterances")
+        raise UserError(
+            f"task {task.name!r}: the {name} data ({source.corpus} {'+'.join(source.subsets)} "
+            f"under {root}) has no usable utterances{skipped_summary(skips)}"
+        )
     label = split_label(source.corpus, source.subsets, source.locale)
     if source.user_split:
         us = source.user_split
@@ -321,7 +352,10 @@ def prepare_eval(
     manifest = subset_manifest(root, ev.corpus, ev.subset, ev.locale, language, skips)
     entries = manifest.entries
     if not entries:
-        raise UserError(f"eval set {ev.name!r} ({ev.corpus} {ev.subset}) has no usable utterances")
+        raise UserError(
+            f"eval set {ev.name!r} ({ev.corpus} {ev.subset} under {root}) has no usable "
+            f"utterances{skipped_summary(skips)}"
+        )
     info = {"users_digest": users_digest(e.user_id for e in entries)}
     label = split_label(ev.corpus, [ev.subset], ev.locale)
     store = prepare_split(ev.name, label, entries, info, skips, language, root, cache_dir, bars)

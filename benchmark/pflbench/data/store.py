@@ -183,7 +183,13 @@ def build_store(
     """Builds (or finishes building) the store in `folder`; `report` (manifest-level skips etc.)
     is kept in the index. `on_progress(done, total)` counts utterances."""
     if (folder / INDEX).exists():
-        return FeatureStore(folder)
+        store = FeatureStore(folder)
+        # The key covers the rows kept, not the ones the manifest dropped (a malformed row added,
+        # an empty transcript): the report of this reading is the one to keep and show.
+        if store.manifest_report != json.loads(json.dumps(report)):
+            write_index(folder, store.n_shards, report)
+            store = FeatureStore(folder)
+        return store
     folder.mkdir(parents=True, exist_ok=True)
     shards = plan_shards(entries)
     todo = [(shard_path(folder, i), s, language, read_audio) for i, s in enumerate(shards)]
@@ -226,6 +232,8 @@ def write_index(folder: Path, n_shards: int, report: dict) -> None:
             digests["audio_digest"].update(metadata[b"audio_digests"])
             table = reader.read_all().select(["user_id", "seconds"])
         user_ids = table.column("user_id").to_pylist()
+        if not user_ids:  # every utterance of the shard was skipped (counted above)
+            continue
         seconds = table.column("seconds").to_numpy()
         # Rows are user-contiguous: find each user's (offset, count) from the boundaries.
         starts = [j for j in range(len(user_ids)) if j == 0 or user_ids[j] != user_ids[j - 1]]
@@ -236,6 +244,7 @@ def write_index(folder: Path, n_shards: int, report: dict) -> None:
         "n_shards": n_shards,
         "users": dict(sorted(users.items())),
         "report": {**report, "skipped": skips.to_dict()},
+        "manifest_report": report,  # as given (build_store compares a later reading's with it)
     }
     tmp = folder / f"{INDEX}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(index))
@@ -258,6 +267,8 @@ class FeatureStore:
         self.digest: str = index["digest"]
         self.audio_digest: str = index["audio_digest"]
         self.report: dict = index["report"]
+        self.manifest_report: dict | None = index.get("manifest_report")  # None: an older index
+        self.n_shards: int = index["n_shards"]
         self._users: dict[str, list] = index["users"]
         self._tables: dict[int, pa.Table] = {}
         self.total_seconds = float(sum(u[3] for u in self._users.values()))
