@@ -314,8 +314,11 @@ def test_resuming_on_other_inputs_is_refused(env, tmp_path):
     }
     raw["record_id"] = compute_record_id(raw)
     (run_dir / "record.json").write_text(json.dumps(raw))
-    assert "data cv-test: skipped 3 (malformed_tsv_row 1, e.g. line 9; truncated_audio 2, e.g. "
-    "clip_7) (all in the record's data.skipped)" in run_summary(run_dir)
+    expected = (
+        "data cv-test: skipped 3 (malformed_tsv_row 1, e.g. line 9; truncated_audio 2, e.g. "
+        "clip_7) (all in the record's data.skipped)"
+    )
+    assert expected in run_summary(run_dir)
 
 
 def test_a_compiled_run_says_so_and_resumes_only_compiled(env, tmp_path):
