@@ -321,6 +321,18 @@ def test_resuming_on_other_inputs_is_refused(env, tmp_path):
     assert expected in run_summary(run_dir)
 
 
+def test_a_recipe_naming_an_unknown_method_is_refused_before_anything_is_written(env, tmp_path):
+    config = _config(env, "perlayer-dim", sets=["federated.server.optimizer=yogi-typo"])
+    with pytest.raises(UserError, match="baseline 'perlayer-dim' \\+ --set: unknown server "
+                       "optimizer 'yogi-typo'; known: lamb"):  # fmt: skip
+        run(config, out_dir=tmp_path / "r", options=RunOptions(progress=False))
+    config = _config(env, "perlayer-dim", sets=["federated.client.fedprox_mu=0.1"])
+    with pytest.raises(UserError, match="baseline 'perlayer-dim' \\+ --set: client algorithm "
+                       "'fedavg' does not use fedprox_mu"):  # fmt: skip
+        run(config, out_dir=tmp_path / "r", options=RunOptions(progress=False))
+    assert not (tmp_path / "r").exists()
+
+
 def test_a_compiled_run_says_so_and_resumes_only_compiled(env, tmp_path):
     config = _config(env, "perlayer-dim")
     compiled = RunOptions(progress=False, checkpoint_every=1, compile_backend="aot_eager")

@@ -27,10 +27,10 @@ from pflbench.checkpoint import ELAPSED, Elapsed, load_checkpoint, save_checkpoi
 from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
 from pflbench.evaluate import evaluate_task, seed_model_summary
-from pflbench.fl.algorithms import check_client_recipe
 from pflbench.fl.distributed import DistContext, barrier, init_from_env, shutdown
 from pflbench.fl.freeze import trained_tensors
 from pflbench.fl.simulator import Simulator
+from pflbench.methods import check_recipe
 from pflbench.metrics_log import MetricsLog
 from pflbench.plugins import loaded_plugins
 from pflbench.privacy.run import check_run_privacy, epsilon_so_far, privacy_claim, run_sigma_dp
@@ -116,7 +116,12 @@ def run(
     """Run (or resume) a run; returns its directory."""
     elapsed = Elapsed()
     check_run_privacy(config)
-    check_client_recipe(config.recipe.federated.client)
+    # Every method the resolved recipe names is registered and its options fit it, before the
+    # run folder, the data or the seed model (a baseline's overrides alone cannot be checked
+    # whole: the task completes them).
+    check_recipe(
+        config.recipe, f"task {config.task.name!r} + baseline {config.baseline.name!r} + --set"
+    )
     set_cpu_threads()
     ctx = init_from_env(options.device)
     device = f"cuda:{ctx.local_rank}" if options.device == "cuda" else options.device
