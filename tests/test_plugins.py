@@ -329,3 +329,41 @@ def test_a_plugin_client_algorithm_runs_with_its_options_and_refuses_bad_ones(
     assert [p.name for p in record.software.plugins] == ["scaled_sgd"]
     # Scaled by 0, every Δ is 0: the final model is the seed model the run started from.
     assert record.outputs.final_model == record.data.digests["seed_model"]
+
+
+def _commands(command, path=()):
+    """(name path, command) of every leaf command of the CLI."""
+    if hasattr(command, "commands"):  # a group
+        for name, sub in command.commands.items():
+            yield from _commands(sub, (*path, name))
+    else:
+        yield path, command
+
+
+def test_every_command_that_reads_specs_loads_plugins():
+    """Specs may name a plug-in's methods: a command given --specs without --plugin could not
+    read them (or check a record made with one)."""
+    import typer.main
+
+    from pflbench.cli import app
+
+    reading = {
+        " ".join(path): {o for p in command.params for o in p.opts}
+        for path, command in _commands(typer.main.get_command(app))
+        if any("--specs" in p.opts for p in command.params)
+    }
+    assert {"run", "results validate", "baselines show", "sweep"} <= set(reading)
+    assert [name for name, options in reading.items() if "--plugin" not in options] == []
+
+
+def test_a_plugin_baseline_is_shown_with_its_plugin():
+    from typer.testing import CliRunner
+
+    from pflbench.cli import app
+
+    args = ["baselines", "show", "server-yogi", "--specs", str(EXAMPLES / "specs")]
+    without = CliRunner().invoke(app, args)
+    assert isinstance(without.exception, UserError)
+    assert "unknown server optimizer 'yogi'" in str(without.exception)
+    shown = CliRunner().invoke(app, [*args, "--plugin", str(YOGI)])
+    assert shown.exit_code == 0 and "name: server-yogi" in shown.output

@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from pflbench.cli.common import JsonOption, SpecsOption, console, print_json
+from pflbench.cli.common import JsonOption, PluginOption, SpecsOption, console, print_json
 
 data_app = typer.Typer(help="Corpora, feature stores and their statistics.", no_args_is_help=True)
 
@@ -16,10 +16,10 @@ DataRootOption = typer.Option(
 )
 
 
-def load_task(name: str, specs: list[Path] | None):
+def load_task(name: str, specs: list[Path] | None, plugins: list[str] | None = None):
     from pflbench.cli.common import load_specs
 
-    return load_specs(specs).task(name).spec
+    return load_specs(specs, plugins).task(name).spec
 
 
 @data_app.command("synth")
@@ -53,11 +53,12 @@ def prepare(
     task: str = typer.Option(..., "--task", help="Task name."),
     data_root: Path | None = DataRootOption,
     specs: list[Path] | None = SpecsOption,
+    plugins: list[str] = PluginOption,
 ) -> None:
     """Build the feature store of every split the task uses (resumable)."""
     from pflbench.data.prepare import prepare_task
 
-    data = prepare_task(load_task(task, specs), data_root)
+    data = prepare_task(load_task(task, specs, plugins), data_root)
     print_stats_table(data.report)
 
 
@@ -66,12 +67,13 @@ def stats(
     task: str = typer.Option(..., "--task", help="Task name."),
     data_root: Path | None = DataRootOption,
     specs: list[Path] | None = SpecsOption,
+    plugins: list[str] = PluginOption,
     as_json: bool = JsonOption,
 ) -> None:
     """Per split: hours, users, utterances, minutes per user, skipped items by reason."""
     from pflbench.data.prepare import prepare_task
 
-    data = prepare_task(load_task(task, specs), data_root, progress=not as_json)
+    data = prepare_task(load_task(task, specs, plugins), data_root, progress=not as_json)
     if as_json:
         print_json(data.report)
     else:

@@ -171,6 +171,7 @@ def register(app: typer.Typer) -> None:
         checkpoint: Path = typer.Option(..., "--checkpoint", help="A .safetensors checkpoint."),
         device: str = DeviceOption,
         specs: list[Path] = SpecsOption,
+        plugins: list[str] = PluginOption,
         data_root: Path = DataRootOption,
         cache_dir: Path = CacheOption,
         as_json: bool = JsonOption,
@@ -183,7 +184,7 @@ def register(app: typer.Typer) -> None:
         from pflbench.evaluate import evaluate_sets
 
         device = check_device(device)
-        spec = load_specs(specs).task(task).spec
+        spec = load_specs(specs, plugins).task(task).spec
         set_cpu_threads()
         model, meta = load_model(checkpoint, device)
         data = prepare_task(spec, data_root=data_root, cache_dir=cache_dir, progress=not as_json)

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
-from pflbench.cli.common import JsonOption, SpecsOption, console, print_json
+from pflbench.cli.common import JsonOption, PluginOption, SpecsOption, console, print_json
 from pflbench.errors import UserError
 from pflbench.privacy.accountants import (
     ACCOUNTANTS,
@@ -144,6 +144,7 @@ def report(
     sampling: str = typer.Option("poisson", "--sampling", help="poisson or fixed."),
     accountant: str = typer.Option("all", "--accountant", help=f"{ANY_OR_ALL}."),
     specs: list[Path] | None = SpecsOption,
+    plugins: list[str] = PluginOption,
     json: bool = JsonOption,
 ) -> None:
     """Epsilon of a run at its simulated scale and, with --budget, at the budget's scale."""
@@ -154,7 +155,7 @@ def report(
     if budget is not None:
         from pflbench.cli.common import load_specs
 
-        budget_spec = load_specs(specs).budget(budget).spec
+        budget_spec = load_specs(specs, plugins).budget(budget).spec
     statement = privacy_statement(
         sigma_dp, clip_bound, cohort, population, steps, delta, sampling, budget_spec, names
     )

@@ -192,6 +192,7 @@ def register(app: typer.Typer) -> None:
             help="Write nothing; exit 1 when the file or a figure it embeds is not up to date.",
         ),
         specs: list[Path] = SpecsOption,
+        plugins: list[str] = PluginOption,
         sweeps: Path = SweepsOption,
     ) -> None:
         """Regenerate leaderboard.md from results/ (byte-identical for the same records); it
@@ -204,7 +205,7 @@ def register(app: typer.Typer) -> None:
             render_leaderboard,
         )
 
-        registry = _registry(specs)
+        registry = _registry(specs, plugins)
         files = load_result_files(results)
         records = [record for _, record, _ in files]
         _check_declared(records, results, sweeps, registry)
@@ -300,6 +301,7 @@ def register(app: typer.Typer) -> None:
         ),
         results: Path = ResultsOption,
         specs: list[Path] = SpecsOption,
+        plugins: list[str] = PluginOption,
         as_json: bool = JsonOption,
     ) -> None:
         """Kendall τ between the embedded task's ranking of configurations and each paper table
@@ -316,7 +318,9 @@ def register(app: typer.Typer) -> None:
         unknown = [name for name in table or [] if name not in known]
         if unknown:
             raise UserError(f"--table {unknown[0]!r}: not one of {', '.join(known)}")
-        reports = _validity_reports(load_results(results), _registry(specs), task, table or None)
+        reports = _validity_reports(
+            load_results(results), _registry(specs, plugins), task, table or None
+        )
         if not as_json:
             typer.echo(render_validity(reports), nl=False)
             return
@@ -385,6 +389,7 @@ def register(app: typer.Typer) -> None:
     def validate(
         results: Path = ResultsOption,
         specs: list[Path] = SpecsOption,
+        plugins: list[str] = PluginOption,
         sweeps: Path = SweepsOption,
     ) -> None:
         """Re-check every record in results/ (CI runs this): schema, ids and config hashes; each
@@ -395,7 +400,7 @@ def register(app: typer.Typer) -> None:
         from pflbench.results.leaderboard import load_result_files
         from pflbench.results.submit import validate_record
 
-        registry = _registry(specs)
+        registry = _registry(specs, plugins)
         found = load_result_files(results)
         _check_declared([record for _, record, _ in found], results, sweeps, registry)
         stale = 0
@@ -554,13 +559,14 @@ def register(app: typer.Typer) -> None:
             False, "--check", help="Write nothing; exit 1 when a record is missing or differs."
         ),
         specs: list[Path] = SpecsOption,
+        plugins: list[str] = PluginOption,
     ) -> None:
         """Write results/paper/<id>.json, the papers' reference rows, from results/paper/tables.yaml
         (every table's configurations: reference rows, repeats of another table's, and the ones
         no pflbench task runs, with why)."""
         from pflbench.results.paper import sync_paper_records
 
-        sync = sync_paper_records(results, _registry(specs), write=not check)
+        sync = sync_paper_records(results, _registry(specs, plugins), write=not check)
         for name, counts in sync.built.counts.items():
             console.print(
                 f"{name}: {counts['reference']} reference rows, {counts['same as']} printed again"
@@ -609,6 +615,7 @@ def register(app: typer.Typer) -> None:
             False, "--check", help="Draw nothing; exit 1 when a figure is missing or stale."
         ),
         specs: list[Path] = SpecsOption,
+        plugins: list[str] = PluginOption,
     ) -> None:
         """Result figures (PNG, one question each, with a manifest of their data digests) from
         results/, and figures of run logs (under OUT/runs)."""
@@ -619,7 +626,7 @@ def register(app: typer.Typer) -> None:
         records = load_results(results)
         if task is not None and task not in {r.task.name for r in records}:
             raise UserError(f"--task {task!r}: no records of this task in {results}")
-        budgets, declared = _figure_specs(_registry(specs))
+        budgets, declared = _figure_specs(_registry(specs, plugins))
         if check:
             if task is not None or run:
                 raise UserError("--check checks every result figure: give no --task or --run")
@@ -650,6 +657,7 @@ def register(app: typer.Typer) -> None:
         device: str = typer.Option("cpu", "--device", help="cpu or cuda, for every run."),
         data_root: Path = typer.Option(None, "--data-root", help="Real corpora folder."),
         specs: list[Path] = SpecsOption,
+        plugins: list[str] = PluginOption,
     ) -> None:
         """Run a grid of baselines × budgets × seeds (finished runs are skipped), then plot."""
         from pflbench.results.sweep import (
@@ -676,7 +684,7 @@ def register(app: typer.Typer) -> None:
                 set=sets or [],
             )
             grid = SweepFile(task=task, groups=[group])
-        registry = _registry(specs)
+        registry = _registry(specs, plugins)
         registry.task(grid.task)
         for group in grid.groups:
             for name in group.baselines:
@@ -687,6 +695,8 @@ def register(app: typer.Typer) -> None:
         run_args += ["--data-root", str(data_root)] if data_root else []
         for folder in specs or []:
             run_args += ["--specs", str(folder)]
+        for plugin in plugins or []:
+            run_args += ["--plugin", plugin]
         plan = plan_sweep_file(grid, out, tuple(run_args))
         if dry_run:
             for run in plan:

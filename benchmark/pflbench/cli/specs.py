@@ -10,6 +10,7 @@ from rich.table import Table
 
 from pflbench.cli.common import (
     JsonOption,
+    PluginOption,
     SpecsOption,
     console,
     load_specs,
@@ -19,8 +20,8 @@ from pflbench.errors import UserError
 from pflbench.spec.registry import Loaded, Registry
 
 
-def _registry(specs: list[Path] | None) -> Registry:
-    return load_specs(specs)
+def _registry(specs: list[Path] | None, plugins: list[str] | None = None) -> Registry:
+    return load_specs(specs, plugins)
 
 
 def _show(loaded: Loaded, as_json: bool, extra: dict | None = None) -> None:
@@ -117,6 +118,7 @@ def register(app: typer.Typer) -> None:
             " tests/fixtures/task_config_hashes.json).",
         ),
         specs: list[Path] | None = SpecsOption,
+        plugins: list[str] = PluginOption,
     ) -> None:
         """The config hash of every task x baseline (budget none, seed 0). A change that alters
         one changes the identity of every run of it: regenerate the golden file only when that
@@ -125,7 +127,7 @@ def register(app: typer.Typer) -> None:
 
         from pflbench.spec.resolve import spec_config_hashes
 
-        hashes = spec_config_hashes(_registry(specs))
+        hashes = spec_config_hashes(_registry(specs, plugins))
         if write is None:
             print_json(hashes)
             return
@@ -133,53 +135,74 @@ def register(app: typer.Typer) -> None:
         console.print(f"wrote {len(hashes)} config hashes to {write}")
 
     @tasks.command("list")
-    def tasks_list(specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption) -> None:
+    def tasks_list(
+        specs: list[Path] | None = SpecsOption,
+        plugins: list[str] = PluginOption,
+        as_json: bool = JsonOption,
+    ) -> None:
         """All tasks: data, seed, recipe headline."""
-        rows = [_task_row(t) for _, t in sorted(_registry(specs).tasks.items())]
+        rows = [_task_row(t) for _, t in sorted(_registry(specs, plugins).tasks.items())]
         print_json(rows) if as_json else _table("tasks", rows)
 
     @tasks.command("show")
     def tasks_show(
-        name: str, specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption
+        name: str,
+        specs: list[Path] | None = SpecsOption,
+        plugins: list[str] = PluginOption,
+        as_json: bool = JsonOption,
     ) -> None:
         """One task, fully resolved with defaults."""
-        _show(_registry(specs).task(name), as_json)
+        _show(_registry(specs, plugins).task(name), as_json)
 
     @baselines.command("list")
-    def baselines_list(specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption) -> None:
+    def baselines_list(
+        specs: list[Path] | None = SpecsOption,
+        plugins: list[str] = PluginOption,
+        as_json: bool = JsonOption,
+    ) -> None:
         """All reference baselines and what they reproduce."""
         rows = [
             {"name": b.spec.name, "reproduces": b.spec.reproduces, "overrides": b.spec.overrides}
-            for _, b in sorted(_registry(specs).baselines.items())
+            for _, b in sorted(_registry(specs, plugins).baselines.items())
         ]
         print_json(rows) if as_json else _table("baselines", rows)
 
     @baselines.command("show")
     def baselines_show(
-        name: str, specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption
+        name: str,
+        specs: list[Path] | None = SpecsOption,
+        plugins: list[str] = PluginOption,
+        as_json: bool = JsonOption,
     ) -> None:
         """One baseline."""
-        _show(_registry(specs).baseline(name), as_json)
+        _show(_registry(specs, plugins).baseline(name), as_json)
 
     @budgets.command("list")
-    def budgets_list(specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption) -> None:
+    def budgets_list(
+        specs: list[Path] | None = SpecsOption,
+        plugins: list[str] = PluginOption,
+        as_json: bool = JsonOption,
+    ) -> None:
         """All privacy budgets."""
         keys = ("name", "dp", "unit", "epsilon", "delta", "population", "cohort", "steps")
         rows = [
             {k: getattr(b.spec, k) for k in keys}
-            for _, b in sorted(_registry(specs).budgets.items())
+            for _, b in sorted(_registry(specs, plugins).budgets.items())
         ]
         print_json(rows) if as_json else _table("budgets", rows)
 
     @budgets.command("show")
     def budgets_show(
-        name: str, specs: list[Path] | None = SpecsOption, as_json: bool = JsonOption
+        name: str,
+        specs: list[Path] | None = SpecsOption,
+        plugins: list[str] = PluginOption,
+        as_json: bool = JsonOption,
     ) -> None:
         """One budget with its σ_DP, noise multiplier z and ε by every accountant; a matched
         budget also with its noise-to-clip ratio σ_DP·√d next to the paper budget's."""
         from pflbench.privacy.matching import PAPER_PRESET, match_report, model_parameters
 
-        registry = _registry(specs)
+        registry = _registry(specs, plugins)
         loaded = registry.budget(name)
         extra = {"privacy": budget_privacy(loaded.spec)}
         if loaded.spec.matches is not None:
@@ -196,6 +219,7 @@ def register(app: typer.Typer) -> None:
         ),
         vocab_size: int = typer.Option(30, "--vocab-size", help="Output tokens incl. blank."),
         specs: list[Path] | None = SpecsOption,
+        plugins: list[str] = PluginOption,
         as_json: bool = JsonOption,
     ) -> None:
         """The budget with `name`'s ε, δ, q and T whose σ_DP·√d for `preset` equals `name`'s
@@ -203,7 +227,7 @@ def register(app: typer.Typer) -> None:
         paper's at S = 1,024); see docs/BUDGETS.md. Paste it into a budgets.yaml."""
         from pflbench.privacy.matching import PAPER_PRESET, matched_scale, model_parameters
 
-        paper = _registry(specs).budget(name).spec
+        paper = _registry(specs, plugins).budget(name).spec
         if paper.unit == "example":
             raise UserError(f"budget {name!r} is example-level: only user-level budgets match")
         parameters = model_parameters(preset, vocab_size)
