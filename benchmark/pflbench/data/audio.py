@@ -1,18 +1,51 @@
 """Decoding encoded audio (files or in-memory bytes) to mono float32 samples.
 
 Everything goes through soundfile (libsndfile: FLAC, WAV, OGG, MP3); unusable audio raises
-AudioError whose `reason` is the skip reason counted in the store's report.
+AudioError whose `reason` is the skip reason counted in the store's report:
+  missing_audio_file       no file at the path (or a dataset row without audio)
+  zero_length_audio        an empty file, or no samples
+  unreadable_audio         libsndfile cannot decode it (corrupt, or cut inside a FLAC)
+  truncated_audio          fewer samples or bytes than the file declares (a cut-off copy)
+  implausible_sample_rate  a sample rate outside MIN_SAMPLE_RATE..MAX_SAMPLE_RATE
+  implausible_length       a declared length above MAX_SECONDS, or too large to allocate
+  nonfinite_audio          a NaN or infinite sample (float files)
+  implausible_amplitude    a float sample beyond MAX_ABS_SAMPLE
 """
 
 from __future__ import annotations
 
 import io
+import math
 import os
+import struct
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import BinaryIO
 
 import numpy as np
 import soundfile as sf
 
-TRUNCATION_TOLERANCE = 0.98  # MP3 frame counts are estimates; FLAC's are exact
+# Under this fraction of the declared samples (a WAV's: data bytes) a file is a cut-off copy: one
+# rule for every format, loose enough for MP3's estimated frame counts (FLAC's, WAV's are exact).
+TRUNCATION_TOLERANCE = 0.98
+# Telephone speech is sampled at 8 kHz, studio recordings at most at 192 kHz; a rate outside half
+# the one to the other is a corrupt header (1 Hz hangs the resampler, 100 Hz turns 3 s of samples
+# into a 480 s utterance).
+MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 4_000, 192_000
+# Utterances last seconds (LibriSpeech's longest ~35 s, Common Voice's at most 10 s) and even an
+# unsegmented talk lasts minutes: a declared hour is a corrupt header, and reading it would
+# allocate from the claim (an hour of 48 kHz stereo float32 is 1.4 GB).
+MAX_SECONDS = 3_600
+# Float files store samples unscaled, and a float mix may well exceed 1.0; the features are
+# normalized per utterance, so any scale up to an unscaled int32 file's gives the same features.
+# Beyond that no scaling makes the values samples (1e30 overflows the log-mel power to inf).
+MAX_ABS_SAMPLE = 2.0**31
+
+WAV_FORMATS = {"WAV", "WAVEX", "RF64"}  # libsndfile's names of RIFF WAVE files
+# A writer that cannot seek back (a stream) leaves the data size unknown: 0 or all ones.
+WAV_UNKNOWN_DATA_SIZES = {0, 0xFFFF_FFFF, 0xFFFF_FFFF_FFFF_FFFF}
+OGG_PAGE_HEADER = 27  # bytes before a page's segment table
+OGG_END_OF_STREAM = 0x04  # header-type flag of a stream's last page
 
 
 class AudioError(Exception):
@@ -23,17 +56,120 @@ class AudioError(Exception):
         self.reason = reason
 
 
+@contextmanager
+def _byte_stream(source: str | io.BytesIO) -> Iterator[BinaryIO]:
+    """The encoded bytes as a seekable stream; in-memory bytes are left at the position where
+    libsndfile reads next."""
+    if isinstance(source, str):
+        with open(source, "rb") as stream:
+            yield stream
+        return
+    position = source.tell()
+    try:
+        yield source
+    finally:
+        source.seek(position)
+
+
+def _wav_data_cut_off(stream: BinaryIO, size: int) -> bool:
+    """Whether a RIFF/RIFX/RF64 WAV holds fewer data bytes than its data chunk declares.
+    libsndfile takes a WAV's frame count from the file's length, so a cut-off copy looks whole."""
+    riff = stream.read(12)
+    if riff[:4] not in (b"RIFF", b"RIFX", b"RF64", b"BW64") or riff[8:12] != b"WAVE":
+        return False
+    size_format = ">I" if riff[:4] == b"RIFX" else "<I"
+    ds64_data_size = None  # RF64 declares the data size here, the data chunk's is all ones
+    position = 12
+    while position + 8 <= size:
+        stream.seek(position)
+        chunk = stream.read(24)  # id, size and the start of the body (ds64's sizes)
+        chunk_id, (chunk_size,) = chunk[:4], struct.unpack(size_format, chunk[4:8])
+        if chunk_id == b"ds64" and len(chunk) == 24:
+            (ds64_data_size,) = struct.unpack("<Q", chunk[16:24])
+        elif chunk_id == b"data":
+            declared = chunk_size
+            if chunk_size == 0xFFFF_FFFF and ds64_data_size is not None:
+                declared = ds64_data_size
+            if declared in WAV_UNKNOWN_DATA_SIZES:
+                return False
+            return size - (position + 8) < TRUNCATION_TOLERANCE * declared
+        position += 8 + chunk_size + (chunk_size & 1)  # chunks are padded to even sizes
+    return False  # no data chunk where the sizes lead: libsndfile judges
+
+
+def _ogg_cut_off(stream: BinaryIO, size: int) -> bool:
+    """Whether an Ogg file ends inside a page or on a page not flagged end-of-stream. No Ogg
+    header declares the total length, and libsndfile counts frames up to the last whole page, so
+    the pages themselves are the only evidence of a cut-off copy."""
+    position, last_flags = 0, None
+    while True:
+        stream.seek(position)
+        header = stream.read(OGG_PAGE_HEADER)
+        if header[:4] != b"OggS":
+            break  # the end, or bytes after the last page (a tag): judged by that page
+        segment_sizes = stream.read(header[26]) if len(header) == OGG_PAGE_HEADER else b""
+        position += OGG_PAGE_HEADER + len(segment_sizes) + sum(segment_sizes)
+        if len(header) < OGG_PAGE_HEADER or len(segment_sizes) < header[26] or position > size:
+            return True
+        last_flags = header[5]
+    return last_flags is not None and not last_flags & OGG_END_OF_STREAM
+
+
+def _cut_off(source: str | io.BytesIO, container: str) -> bool:
+    """Whether a WAV or Ogg container declares more than it holds (other formats: False)."""
+    if container in WAV_FORMATS:
+        check = _wav_data_cut_off
+    elif container == "OGG":
+        check = _ogg_cut_off
+    else:
+        return False  # FLAC and MP3 declare their lengths to libsndfile: compared after reading
+    with _byte_stream(source) as stream:
+        size = stream.seek(0, io.SEEK_END)
+        stream.seek(0)
+        return check(stream, size)
+
+
+def _check_samples(data: np.ndarray) -> None:
+    if data.size == 0:
+        return  # zero_length_audio, the store's to say
+    # min and max propagate NaN and keep ±inf: two fast passes without a temporary array.
+    low, high = float(data.min()), float(data.max())
+    if not (math.isfinite(low) and math.isfinite(high)):
+        raise AudioError("nonfinite_audio")
+    if max(high, -low) > MAX_ABS_SAMPLE:
+        raise AudioError("implausible_amplitude")
+
+
+def check_decoded(samples: np.ndarray, rate: int) -> None:
+    """decode_audio's checks of a file's rate, length and samples, for audio stored decoded (a
+    Hugging Face dataset's {array, sampling_rate} cells)."""
+    if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+        raise AudioError("implausible_sample_rate")
+    if len(samples) > MAX_SECONDS * rate:
+        raise AudioError("implausible_length")
+    _check_samples(samples)
+
+
 def decode_audio(source: str | io.BytesIO) -> tuple[np.ndarray, int]:
     """Mono float32 samples and the sample rate of an encoded file (path or in-memory bytes);
-    truncated or corrupt data raise AudioError."""
+    truncated, corrupt or implausible audio raises AudioError."""
     try:
         with sf.SoundFile(source) as f:
             declared, rate = f.frames, f.samplerate
+            if not MIN_SAMPLE_RATE <= rate <= MAX_SAMPLE_RATE:
+                raise AudioError("implausible_sample_rate")
+            if declared > MAX_SECONDS * rate:  # before reading: soundfile allocates `declared`
+                raise AudioError("implausible_length")
+            if _cut_off(source, f.format):
+                raise AudioError("truncated_audio")
             data = f.read(dtype="float32", always_2d=True)
     except (sf.LibsndfileError, RuntimeError, EOFError):
         raise AudioError("unreadable_audio") from None
+    except MemoryError:  # a plausible length, times channels, still too large for this machine
+        raise AudioError("implausible_length") from None
     if declared > 0 and len(data) < TRUNCATION_TOLERANCE * declared:
         raise AudioError("truncated_audio")
+    _check_samples(data)
     return data.mean(axis=1), rate
 
 
