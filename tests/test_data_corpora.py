@@ -20,7 +20,12 @@ from pflbench.cli.specs import source_name
 from pflbench.data import store as store_module
 from pflbench.data.adapters import CORPORA
 from pflbench.data.corpora import Skips, commonvoice_manifest
-from pflbench.data.prepare import data_root_for, prepare_task, subset_manifest
+from pflbench.data.prepare import (
+    data_root_for,
+    prepare_task,
+    source_manifest,
+    subset_manifest,
+)
 from pflbench.data.splits import apply_user_split, iid_reassign, users_digest
 from pflbench.data.store import FeatureStore, build_store
 from pflbench.data.synth import CV_COLUMNS, CV_RELEASE, SIZES, CvUsersUnit, plan_units, synthesize
@@ -362,6 +367,107 @@ def test_missing_data_errors_name_what_was_expected(
             prepare_task(real_task(), data_root=faulty_root, cache_dir=tmp_path, progress=False)
     finally:
         shutil.rmtree(faulty_root / "cv-corpus-98.0")
+
+
+# ----------------------------------------------------------------------------------------------
+# Bad text files, duplicates and missing speakers, on small corpora written here (the manifest
+# readers look at the audio files' existence only).
+
+TONE = 0.1 * np.sin(np.linspace(0, 200 * np.pi, 8000))  # half a second at 16 kHz
+
+
+def small_librispeech(root: Path, lines: list[str]) -> Path:
+    """LibriSpeech/dev-clean/1070/8901 with `lines` as its trans.txt (returned) and a FLAC file
+    for each utterance id."""
+    chapter = root / "LibriSpeech" / "dev-clean" / "1070" / "8901"
+    chapter.mkdir(parents=True)
+    for line in lines:
+        sf.write(chapter / f"{line.split()[0]}.flac", TONE, 16000)
+    trans = chapter / "1070-8901.trans.txt"
+    trans.write_text("\n".join(lines) + "\n")
+    return trans
+
+
+def cv_line(row: tuple[str, str, str]) -> str:
+    """A release TSV's line of (client_id, path, sentence), the other columns empty."""
+    return "\t".join([*row, *[""] * (len(CV_COLUMNS) - 3)])
+
+
+def small_commonvoice(root: Path, split: str, rows: list[tuple[str, str, str]]) -> Path:
+    """cv-corpus-99.0/en/<split>.tsv (returned) with the release's header and (client_id, path,
+    sentence) rows, and an MP3 clip for each path."""
+    locale = root / "cv-corpus-99.0" / "en"
+    (locale / "clips").mkdir(parents=True, exist_ok=True)
+    for _, path, _ in rows:
+        sf.write(locale / "clips" / path, TONE, 16000, format="MP3")
+    lines = ["\t".join(CV_COLUMNS), *map(cv_line, rows)]
+    tsv = locale / f"{split}.tsv"
+    tsv.write_text("\n".join(lines) + "\n")
+    return tsv
+
+
+def test_a_trans_txt_that_is_not_utf8_is_an_error_naming_its_line(tmp_path: Path) -> None:
+    trans = small_librispeech(tmp_path, ["1070-8901-0000 HELLO THERE", "1070-8901-0001 CAFE NOIR"])
+    trans.write_bytes(trans.read_bytes().replace(b"CAFE", b"CAF\xe9"))  # a Latin-1 e-acute
+    with pytest.raises(UserError, match=r"8901\.trans\.txt: line 2 is not UTF-8 \(byte 0xe9 at"):
+        subset_manifest(tmp_path, "librispeech", "dev-clean", None, "en", Skips())
+
+
+def test_a_tsv_that_is_not_utf8_is_an_error_naming_its_line(tmp_path: Path) -> None:
+    # Far enough down that the TSV's streaming decoder meets it in a later chunk.
+    rows = [(f"speaker{i}", f"clip{i}.mp3", f"Sentence number {i}.") for i in range(3000)]
+    tsv = small_commonvoice(tmp_path, "dev", rows[:1])
+    lines = tsv.read_text().splitlines() + [cv_line(r) for r in rows[1:]]  # clips not needed
+    lines[2001] = lines[2001].replace("Sentence", "Na\xefve")
+    tsv.write_bytes("\n".join(lines).encode("latin-1"))
+    with pytest.raises(UserError, match=r"en/dev\.tsv: line 2002 is not UTF-8 \(byte 0xef at"):
+        subset_manifest(tmp_path, "commonvoice", "dev", "en", "en", Skips())
+
+
+def test_an_utterance_listed_twice_is_read_once_as_first_listed(tmp_path: Path) -> None:
+    small_librispeech(tmp_path, ["1070-8901-0000 HELLO THERE", "1070-8901-0001 GOOD DAY",
+                                 "1070-8901-0000 A DIFFERENT TRANSCRIPT"])  # fmt: skip
+    skips = Skips()
+    entries = subset_manifest(tmp_path, "librispeech", "dev-clean", None, "en", skips).entries
+    assert [(e.utt_id, e.text) for e in entries] == [
+        ("1070-8901-0000", "hello there"), ("1070-8901-0001", "good day")
+    ]  # fmt: skip
+    assert skips.to_dict() == {
+        "counts": {"duplicate_utterance": 1},
+        "examples": {"duplicate_utterance": ["1070-8901-0000"]},
+    }
+
+
+def test_a_clip_in_two_subsets_of_a_source_is_read_once(tmp_path: Path) -> None:
+    dev = [("a", "one.mp3", "Hello there."), ("b", "two.mp3", "Good day.")]
+    small_commonvoice(tmp_path, "dev", dev)
+    # validated.tsv repeats dev's clips, and here one of its own.
+    three = ("c", "three.mp3", "Good night.")
+    small_commonvoice(tmp_path, "validated", [*dev, three, three])
+    source = DataSource(corpus="commonvoice", subsets=["dev", "validated"], locale="en")
+    skips = Skips()
+    entries, _, _ = source_manifest(tmp_path, source, "en", skips)
+    assert [(e.utt_id, e.split) for e in entries] == [
+        ("one", "dev"), ("two", "dev"), ("three", "validated")
+    ]  # fmt: skip
+    # Across subsets as within one TSV: counted alike, the first listing kept.
+    assert skips.to_dict() == {
+        "counts": {"duplicate_utterance": 3},
+        "examples": {"duplicate_utterance": ["one", "two", "three"]},
+    }
+
+
+def test_cv_rows_without_a_client_id_are_skipped_not_merged_into_one_user(tmp_path: Path) -> None:
+    rows = [("a", "one.mp3", "Hello there."), ("", "two.mp3", "Good day."),
+            (" ", "three.mp3", "Good night.")]  # fmt: skip
+    small_commonvoice(tmp_path, "dev", rows)
+    skips = Skips()
+    entries = subset_manifest(tmp_path, "commonvoice", "dev", "en", "en", skips).entries
+    assert [(e.utt_id, e.user_id) for e in entries] == [("one", "a")]
+    assert skips.to_dict() == {
+        "counts": {"missing_user_id": 2},
+        "examples": {"missing_user_id": ["two", "three"]},
+    }
 
 
 def test_feature_store_rejects_an_unfinished_folder(tmp_path: Path) -> None:

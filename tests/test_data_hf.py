@@ -5,6 +5,7 @@ give the same data as the native LibriSpeech / Common Voice folders they were ma
 from __future__ import annotations
 
 import csv
+import io
 import json
 import shutil
 from pathlib import Path
@@ -20,11 +21,12 @@ from typer.testing import CliRunner
 from pflbench.cli import app
 from pflbench.data.adapters import CORPORA
 from pflbench.data.corpora import Skips
-from pflbench.data.prepare import prepare_task, subset_manifest
+from pflbench.data.hf import read_hf_audio
+from pflbench.data.prepare import prepare_task, source_manifest, subset_manifest
 from pflbench.data.synth import CV_RELEASE
 from pflbench.errors import UserError
 from pflbench.results.record import data_info
-from pflbench.spec.models import DataSource, Task
+from pflbench.spec.models import DataSource, EvalSet, Task
 from pflbench.spec.registry import load_registry
 
 AUDIO = {"bytes": datasets.Value("binary"), "path": datasets.Value("string")}  # cast to Audio
@@ -380,3 +382,144 @@ def test_hf_bad_rows_are_skipped_and_counted(
                    tmp_path / "cols" / "common_voice" / "en" / "train-0.parquet")  # fmt: skip
     with pytest.raises(UserError, match=r"train-0\.parquet.*client_id, sentence"):
         subset_manifest(tmp_path / "cols", "commonvoice", "train", "en", "en", Skips())
+
+
+# ----------------------------------------------------------------------------------------------
+# Columns of other types, cells without a rate, corrupt pages: small Parquet files written here.
+
+ENCODED = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+DECODED = pa.struct([("array", pa.list_(pa.float32())), ("sampling_rate", pa.int64())])
+TONE = 0.1 * np.sin(np.linspace(0, 200 * np.pi, 8000))  # half a second at 16 kHz
+
+
+def flac_bytes() -> bytes:
+    buffer = io.BytesIO()
+    sf.write(buffer, TONE, 16000, format="FLAC")
+    return buffer.getvalue()
+
+
+def cv_columns() -> dict[str, pa.Array]:
+    """Two Common Voice rows as the Hub dataset has them, audio encoded."""
+    return {
+        "client_id": pa.array(["speaker0", "speaker1"]),
+        "path": pa.array(["en_validation_0/one.mp3", "en_validation_0/two.mp3"]),
+        "sentence": pa.array(["Hello there.", "Good day."]),
+        "audio": pa.array([{"bytes": flac_bytes(), "path": None}] * 2, ENCODED),
+    }
+
+
+def write_cv_parquet(root: Path, columns: dict, split: str = "validation") -> Path:
+    path = root / "common_voice" / "en" / f"{split}-00000-of-00001.parquet"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path, compression="none", use_dictionary=False)
+    return path
+
+
+WRONG_TYPES = {  # case -> (columns replaced, what the error says)
+    "audio as a path string": (
+        {"audio": pa.array(["clips/one.mp3", "clips/two.mp3"])},
+        "column 'audio' is string, expected struct<bytes: binary, path: string>",
+    ),
+    "stereo arrays": (
+        {
+            "audio": pa.array(
+                [{"array": [TONE.tolist()] * 2, "sampling_rate": 16000}] * 2,
+                pa.struct(
+                    [("array", pa.list_(pa.list_(pa.float32()))), ("sampling_rate", pa.int64())]
+                ),
+            )
+        },  # fmt: skip
+        "column 'audio' is struct<array: list<element: list<element: float>>, sampling_rate: "
+        "int64>, expected",
+    ),
+    "integer paths": ({"path": pa.array([1, 2])}, "column 'path' is int64, expected string"),
+    "sentences as lists": (
+        {"sentence": pa.array([["Hello there."], ["Good day."]])},
+        "column 'sentence' is list<element: string>, expected string",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(WRONG_TYPES))
+def test_hf_columns_of_another_type_are_errors_naming_them(case: str, tmp_path: Path) -> None:
+    replaced, message = WRONG_TYPES[case]
+    part = write_cv_parquet(tmp_path, {**cv_columns(), **replaced})
+    with pytest.raises(UserError) as raised:
+        subset_manifest(tmp_path, "commonvoice", "dev", "en", "en", Skips())
+    assert str(raised.value).startswith(f"{part}: {message}")
+
+
+def test_hf_librispeech_ids_of_another_type_are_an_error(tmp_path: Path) -> None:
+    part = tmp_path / "librispeech_asr" / "all" / "validation.clean" / "0000.parquet"
+    part.parent.mkdir(parents=True)
+    columns = {"id": [1070_8901_0000], "speaker_id": [1070], "text": ["HELLO THERE"],
+               "audio": pa.array([{"bytes": flac_bytes(), "path": None}], ENCODED)}  # fmt: skip
+    pq.write_table(pa.table(columns), part)
+    with pytest.raises(UserError, match=r"0000\.parquet: column 'id' is int64, expected string"):
+        subset_manifest(tmp_path, "librispeech", "dev-clean", None, "en", Skips())
+
+
+@pytest.mark.parametrize(
+    ("cell", "reason"),
+    [
+        ({"array": TONE.tolist(), "sampling_rate": None}, "missing_sample_rate"),
+        # decoded samples get a file's checks (audio.py)
+        ({"array": TONE.tolist(), "sampling_rate": 1}, "implausible_sample_rate"),
+        ({"array": [*TONE.tolist()[:-1], float("nan")], "sampling_rate": 16000}, "nonfinite_audio"),
+        ({"array": (1e30 * TONE).tolist(), "sampling_rate": 16000}, "implausible_amplitude"),
+    ],
+)
+def test_a_bad_decoded_cell_is_skipped_and_counted(tmp_path: Path, cell: dict, reason: str) -> None:
+    cells = [{"array": TONE.tolist(), "sampling_rate": 16000}, cell]
+    for split in ("train", "validation"):
+        write_cv_parquet(tmp_path / "data", {**cv_columns(), "audio": pa.array(cells, DECODED)},
+                         split)  # fmt: skip
+    dev = EvalSet(name="dev", corpus="commonvoice", subset="dev", locale="en", role="dev")
+    task = Task(
+        name="hf-rates", version=1, language="en", description="", eval_sets=[dev],
+        federated_data=DataSource(corpus="commonvoice", subsets=["train"], locale="en"),
+    )  # fmt: skip
+    data = prepare_task(task, data_root=tmp_path / "data", cache_dir=tmp_path, progress=False)
+    for split in ("federated", "eval:dev"):
+        assert data.report[split]["skipped"] == {
+            "counts": {reason: 1},
+            "examples": {reason: ["two"]},
+        }
+    assert data.federated_train.users() == data.eval_sets["dev"].users() == ["speaker0"]
+
+
+def test_a_clip_in_two_hf_splits_of_a_source_is_read_once(tmp_path: Path) -> None:
+    write_cv_parquet(tmp_path, cv_columns(), "train")
+    write_cv_parquet(tmp_path, cv_columns(), "validation")
+    skips = Skips()
+    source = DataSource(corpus="commonvoice", subsets=["train", "dev"], locale="en")
+    entries, _, _ = source_manifest(tmp_path, source, "en", skips)
+    assert [(e.utt_id, e.split) for e in entries] == [("one", "train"), ("two", "train")]
+    assert skips.counts == {"duplicate_utterance": 2}
+
+
+def corrupt_column(part: Path, column: str) -> None:
+    """Overwrites the header of the column's first data page (the footer stays intact)."""
+    meta = pq.ParquetFile(part).metadata.row_group(0)
+    chunk = next(meta.column(i) for i in range(meta.num_columns)
+                 if meta.column(i).path_in_schema == column)  # fmt: skip
+    data = bytearray(part.read_bytes())
+    data[chunk.data_page_offset : chunk.data_page_offset + 16] = b"\xff" * 16
+    part.write_bytes(bytes(data))
+
+
+def test_corrupt_parquet_text_pages_are_an_error_naming_the_file(tmp_path: Path) -> None:
+    part = write_cv_parquet(tmp_path / "text", cv_columns())
+    corrupt_column(part, "sentence")
+    with pytest.raises(UserError, match=f"^{part}: not a readable Hugging Face dataset"):
+        subset_manifest(tmp_path / "text", "commonvoice", "dev", "en", "en", Skips())
+
+
+def test_corrupt_parquet_audio_pages_are_an_error_naming_the_file_and_rows(tmp_path: Path) -> None:
+    # Met when features are made, not when the manifest is read.
+    part = write_cv_parquet(tmp_path / "audio", cv_columns())
+    corrupt_column(part, "audio.bytes")
+    entries = subset_manifest(tmp_path / "audio", "commonvoice", "dev", "en", "en", Skips()).entries
+    assert len(entries) == 2
+    with pytest.raises(UserError, match=rf"^{part}: the audio of rows 0-1 \(row group 0\) is not"):
+        read_hf_audio(entries[1].audio)

@@ -8,8 +8,10 @@ A data root may hold (exactly as downloaded, nothing renamed):
       folder (<locale>/...) or one locale folder; with several cv-corpus-* releases holding the
       locale, the error lists them and asks to point --data-root at one;
   Hugging Face datasets (save_to_disk folders or Parquet files, see hf.py).
-Text problems (empty or untokenizable transcripts, malformed rows) and missing audio files are
-skipped here and counted by reason; audio that cannot be decoded is counted when features are made.
+Text problems (empty or untokenizable transcripts, malformed rows), missing audio files, rows
+without a speaker id and utterances listed twice (in one subset or in two subsets of one source:
+the first is kept) are skipped here and counted by reason; audio that cannot be decoded is counted
+when features are made. A text file that is not UTF-8 is an error naming its first such line.
 Speaker attributes for per-group WER come from Common Voice's age/gender/accents columns and
 LibriSpeech's SPEAKERS.TXT (gender); an attribute a speaker did not report is "unreported". A
 reader that has no attributes to give says why (Manifest.no_attributes): the data report and the
@@ -64,12 +66,25 @@ class Skips:
 
     counts: dict[str, int] = field(default_factory=dict)
     examples: dict[str, list[str]] = field(default_factory=dict)
+    # Utterance ids read so far: one Skips spans every subset of a source (prepare.py), so
+    # duplicates are found across them too. Not part of the report.
+    utterances_read: set[str] = field(default_factory=set, repr=False, compare=False)
 
     def add(self, reason: str, item_id: str) -> None:
         self.counts[reason] = self.counts.get(reason, 0) + 1
         examples = self.examples.setdefault(reason, [])
         if len(examples) < MAX_EXAMPLES:
             examples.append(item_id)
+
+    def seen_before(self, utt_id: str) -> bool:
+        """Whether `utt_id` was already read under these skips; a repeat is counted as
+        duplicate_utterance (the first listing is kept: Common Voice's validated.tsv repeats the
+        clips of train.tsv and dev.tsv, so a source [dev, validated] reads each clip once)."""
+        if utt_id in self.utterances_read:
+            self.add("duplicate_utterance", utt_id)
+            return True
+        self.utterances_read.add(utt_id)
+        return False
 
     def merge(self, other: Skips) -> None:
         for reason, n in other.counts.items():
@@ -105,6 +120,22 @@ def speaker_groups(entries: list[Entry]) -> dict[str, dict[str, str]]:
         if len(set(chosen.values())) >= 2:
             groups[name] = chosen
     return groups
+
+
+def not_utf8(path: Path) -> UserError:
+    """The error for a text file that does not decode as UTF-8, naming its first such line (found
+    by reading it again: a streaming decoder's offset counts from the chunk it was decoding)."""
+    with path.open("rb") as f:
+        for n, line in enumerate(f, 1):
+            try:
+                line.decode("utf-8")
+            except UnicodeDecodeError as err:
+                return UserError(
+                    f"{path}: line {n} is not UTF-8 (byte 0x{line[err.start]:02x} at byte "
+                    f"{err.start + 1} of the line); the corpora's text files are read as UTF-8, as "
+                    "they are distributed: restore the file from the download or re-encode it"
+                )
+    return UserError(f"{path}: not UTF-8 when read, UTF-8 when read again (changed meanwhile?)")
 
 
 def make_entry(
@@ -163,7 +194,13 @@ def librispeech_manifest(subset_dir: Path, subset: str, language: str, skips: Sk
     entries, described = [], set()
     genders = librispeech_genders(subset_dir.parent)
     for trans in sorted(subset_dir.glob("*/*/*.trans.txt")):
-        for n, line in enumerate(trans.read_text(encoding="utf-8").splitlines(), 1):
+        # A byte that is not UTF-8 stops the read instead of skipping its line: the encoding is
+        # the file's, and a file saved as Latin-1 would lose exactly its lines with accents.
+        try:
+            text = trans.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise not_utf8(trans) from None
+        for n, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             match = _LS_LINE.match(line.strip())
@@ -173,6 +210,8 @@ def librispeech_manifest(subset_dir: Path, subset: str, language: str, skips: Sk
             utt_id, raw = match.group(1), match.group(2) or ""
             audio = trans.parent / f"{utt_id}.flac"
             described.add(audio.name)
+            if skips.seen_before(utt_id):
+                continue
             if not audio.is_file():
                 skips.add("missing_audio_file", utt_id)
                 continue
@@ -256,6 +295,19 @@ def no_genders(folder: Path) -> str:
 
 def commonvoice_manifest(tsv: Path, split: str, language: str, skips: Skips) -> Manifest:
     """User = client_id. Columns by header name; quoting off (real CV has unbalanced quotes)."""
+    try:
+        entries, attribute_col = commonvoice_rows(tsv, split, language, skips)
+    except UnicodeDecodeError:  # an error, not a skip: see librispeech_manifest
+        raise not_utf8(tsv) from None
+    where = "/".join(tsv.parts[-3:])  # release/locale/split.tsv
+    no_columns = f"{tsv.name} has none of the columns {', '.join(CV_ATTRIBUTE_COLUMNS.values())}"
+    return Manifest(entries, where, None if attribute_col else no_columns)
+
+
+def commonvoice_rows(
+    tsv: Path, split: str, language: str, skips: Skips
+) -> tuple[list[Entry], dict[str, int]]:
+    """The TSV's entries, and the index of its column of each speaker attribute it has."""
     clips = tsv.parent / "clips"
     with tsv.open(encoding="utf-8", newline="") as f:
         rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
@@ -265,26 +317,26 @@ def commonvoice_manifest(tsv: Path, split: str, language: str, skips: Skips) -> 
             raise UserError(f"{tsv}: header lacks column(s) {', '.join(missing)} (got {header})")
         col = {name: header.index(name) for name in CV_REQUIRED_COLUMNS}
         attribute_col = {a: header.index(c) for a, c in CV_ATTRIBUTE_COLUMNS.items() if c in header}
-        entries, seen = [], set()
+        entries = []
         for n, row in enumerate(rows, 2):
             if len(row) != len(header):
                 skips.add("malformed_tsv_row", f"{tsv.name}:{n}")
                 continue
-            path = row[col["path"]]
+            path, client_id = row[col["path"]], row[col["client_id"]]
             utt_id = Path(path).stem
-            if utt_id in seen:
-                skips.add("duplicate_utterance", utt_id)
+            # Without a client_id the row's speaker is unknown: as one user '' such rows would
+            # merge different people into one DP user (the Hugging Face reader skips them too).
+            if not client_id.strip():
+                skips.add("missing_user_id", utt_id)
                 continue
-            seen.add(utt_id)
+            if skips.seen_before(utt_id):
+                continue
             if not (clips / path).is_file():
                 skips.add("missing_audio_file", utt_id)
                 continue
             attributes = tuple((a, row[i].strip() or UNREPORTED) for a, i in attribute_col.items())
-            entry = make_entry(utt_id, row[col["client_id"]], split, str(clips / path),
-                               row[col["sentence"]], "commonvoice", language, skips,
-                               attributes)  # fmt: skip
+            entry = make_entry(utt_id, client_id, split, str(clips / path), row[col["sentence"]],
+                               "commonvoice", language, skips, attributes)  # fmt: skip
             if entry:
                 entries.append(entry)
-    where = "/".join(tsv.parts[-3:])  # release/locale/split.tsv
-    no_columns = f"{tsv.name} has none of the columns {', '.join(CV_ATTRIBUTE_COLUMNS.values())}"
-    return Manifest(entries, where, None if attribute_col else no_columns)
+    return entries, attribute_col

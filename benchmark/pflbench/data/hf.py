@@ -29,8 +29,10 @@ A split in more than one dataset folder -> UserError listing them. Not found -> 
 every layout tried and what the dataset folders hold instead. Fields: librispeech_asr `id,
 speaker_id, text, audio` (file, chapter_id unused); Common Voice `client_id, path, sentence, audio`
 and the speaker attributes `age, gender, accent`. `audio` is {bytes, path} (an encoded file,
-decoded with soundfile) or {array, sampling_rate}. User ids and skips are those of the native
-readers (corpora.py).
+decoded with soundfile) or {array, sampling_rate} (decoded mono samples). A column of another type
+(a path string for `audio`, lists of sentences, ...) is an error naming the file, the column, its
+type and the expected one; a decoded cell without a sampling rate is skipped and counted as
+missing_sample_rate. User ids and skips are those of the native readers (corpora.py).
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pflbench.data.audio import AudioError, decode_audio_bytes, read_audio_file
+from pflbench.data.audio import AudioError, check_decoded, decode_audio_bytes, read_audio_file
 from pflbench.data.corpora import (
     UNREPORTED,
     Entry,
@@ -148,13 +150,20 @@ def one_dataset(root: Path, found: list[list[HfSplit]], what: str) -> list[HfSpl
     return found[0] if found else []
 
 
+READ_ERRORS = (pa.ArrowException, OSError, KeyError, json.JSONDecodeError)
+
+
+def not_readable(part: Path, err: Exception) -> UserError:
+    return UserError(f"{part}: not a readable Hugging Face dataset ({err})")
+
+
 def part_rows(part: Path) -> int:
     try:
         return (
             saved_table(part).num_rows if part.is_dir() else pq.ParquetFile(part).metadata.num_rows
         )
-    except (pa.ArrowException, OSError, KeyError, json.JSONDecodeError) as err:
-        raise UserError(f"{part}: not a readable Hugging Face dataset ({err})") from None
+    except READ_ERRORS as err:
+        raise not_readable(part, err) from None
 
 
 def one_config(candidates: list[HfSplit], what: str) -> HfSplit:
@@ -297,19 +306,85 @@ def saved_table(folder: Path) -> pa.Table:
     )
 
 
+def is_text(t: pa.DataType) -> bool:
+    """Strings (plain, large or dictionary-encoded), or nulls only (each row then skipped as
+    missing its value)."""
+    if pa.types.is_dictionary(t):
+        t = t.value_type
+    return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_null(t)
+
+
+def is_text_or_integer(t: pa.DataType) -> bool:
+    return is_text(t) or pa.types.is_integer(t)
+
+
+def is_bytes(t: pa.DataType) -> bool:
+    return pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_null(t)
+
+
+def is_float_list(t: pa.DataType) -> bool:
+    lists = pa.types.is_list(t) or pa.types.is_large_list(t) or pa.types.is_fixed_size_list(t)
+    return lists and pa.types.is_floating(t.value_type)
+
+
+def is_audio(t: pa.DataType) -> bool:
+    """datasets' Audio feature: {bytes, path} (either may be absent), or {array, sampling_rate}
+    with `array` a list of floats. A list of lists is refused, not mixed down: Audio(mono=False)
+    gives [channels, samples], soundfile [samples, channels], and the cells do not say which."""
+    if not pa.types.is_struct(t):
+        return False
+    fields = {f.name: f.type for f in t}
+    if "array" in fields:
+        rate = fields.get("sampling_rate")
+        return is_float_list(fields["array"]) and rate is not None and pa.types.is_integer(rate)
+    encoded = {"bytes": is_bytes, "path": is_text}
+    present = fields.keys() & encoded.keys()
+    return bool(present) and all(encoded[name](fields[name]) for name in present)
+
+
+@dataclass(frozen=True)
+class ColumnType:
+    expected: str  # as the error names it
+    holds: Callable[[pa.DataType], bool]
+
+
+TEXT = ColumnType("string", is_text)
+TEXT_OR_INTEGER = ColumnType("string or integer", is_text_or_integer)
+AUDIO = ColumnType(
+    "struct<bytes: binary, path: string> (encoded audio) or struct<array: list<float>, "
+    "sampling_rate: integer> (decoded mono samples)",
+    is_audio,
+)
+COLUMN_TYPES = {  # every column read: LS_FIELDS, CV_FIELDS, CV_ATTRIBUTE_COLUMNS, audio
+    "id": TEXT, "speaker_id": TEXT_OR_INTEGER, "text": TEXT,
+    "path": TEXT, "client_id": TEXT_OR_INTEGER, "sentence": TEXT,
+    "age": TEXT_OR_INTEGER, "gender": TEXT_OR_INTEGER, "accent": TEXT_OR_INTEGER,
+    "accents": TEXT_OR_INTEGER, "audio": AUDIO,
+}  # fmt: skip
+
+
 def read_columns(part: Path, columns: tuple[str, ...], optional: tuple[str, ...] = ()) -> pa.Table:
     """The text columns of a part, and those of `optional` it has (a Parquet file's audio bytes
-    are not read here)."""
+    are not read here), once every column read, `audio` included, has the type it should: a
+    dataset exported with other types is an error here rather than a traceback at its first row."""
     try:
         saved = saved_table(part) if part.is_dir() else None
         schema = pq.read_schema(part) if saved is None else saved.schema
-    except (pa.ArrowException, OSError, KeyError, json.JSONDecodeError) as err:
-        raise UserError(f"{part}: not a readable Hugging Face dataset ({err})") from None
+    except READ_ERRORS as err:
+        raise not_readable(part, err) from None
     missing = [c for c in (*columns, "audio") if c not in schema.names]
     if missing:
         raise UserError(f"{part}: no column(s) {', '.join(missing)} (has {schema.names})")
     wanted = [*columns, *(c for c in optional if c in schema.names)]
-    return pq.read_table(part, columns=wanted) if saved is None else saved.select(wanted)
+    types = {c: schema.field(c).type for c in (*wanted, "audio")}
+    wrong = [f"column {c!r} is {t}, expected {COLUMN_TYPES[c].expected}"
+             for c, t in types.items() if not COLUMN_TYPES[c].holds(t)]  # fmt: skip
+    if wrong:
+        raise UserError(f"{part}: {'; '.join(wrong)}")
+    try:  # the footer was readable; a page may still be corrupt
+        return pq.read_table(part, columns=wanted) if saved is None else saved.select(wanted)
+    except READ_ERRORS as err:
+        raise not_readable(part, err) from None
 
 
 Attributes = tuple[tuple[str, str], ...]
@@ -322,7 +397,7 @@ def hf_manifest(
     """Entries of the rows of the split; `fields` name the utterance id, user and transcript;
     `attributes` gives each row's speaker attributes from a part's table (`fields` and those of
     the `optional` columns it has)."""
-    entries, seen = [], set()
+    entries = []
     for part in found.parts:
         table = read_columns(part, fields, optional)
         ids, users, texts = (table.column(name).to_pylist() for name in fields)
@@ -332,13 +407,11 @@ def hf_manifest(
             if not utt:
                 skips.add("missing_utterance_id", utt_id)
                 continue
-            if user is None or str(user) == "":
+            if user is None or not str(user).strip():
                 skips.add("missing_user_id", utt_id)
                 continue
-            if utt_id in seen:
-                skips.add("duplicate_utterance", utt_id)
+            if skips.seen_before(utt_id):
                 continue
-            seen.add(utt_id)
             entry = make_entry(utt_id, str(user), split, f"hf:{part}#{row}", raw or "", corpus,
                                language, skips, attrs)  # fmt: skip
             if entry:
@@ -411,7 +484,16 @@ def hf_audio_value(part: str, row: int) -> pa.StructScalar:
         return _saved_audio(part)[row]
     starts = _parquet_row_starts(part)
     group = bisect.bisect_right(starts, row) - 1
-    return _parquet_audio(part, group)[row - starts[group]]
+    try:
+        audio = _parquet_audio(part, group)
+    except READ_ERRORS as err:
+        # A corrupt page spoils its row group: an error naming the file, not a skip of each of
+        # its rows (each would read the group again).
+        raise UserError(
+            f"{part}: the audio of rows {starts[group]}-{starts[group + 1] - 1} (row group "
+            f"{group}) is not readable ({err}); restore the file from the download"
+        ) from None
+    return audio[row - starts[group]]
 
 
 def read_hf_audio(ref: str) -> tuple[np.ndarray, int]:
@@ -421,13 +503,15 @@ def read_hf_audio(ref: str) -> tuple[np.ndarray, int]:
     if not value.is_valid:
         raise AudioError("missing_audio_file")
     fields = {f.name for f in value.type}
-    if "array" in fields:
-        samples = value["array"].values
+    if "array" in fields:  # read_columns checked the types: mono floats, an integer rate
+        samples, rate = value["array"].values, value["sampling_rate"].as_py()
         if samples is None or len(samples) == 0:
             raise AudioError("zero_length_audio")
-        return samples.to_numpy(zero_copy_only=False).astype(np.float32), int(
-            value["sampling_rate"].as_py()
-        )
+        if rate is None:  # this row's fault, not the dataset's: skipped, the others read
+            raise AudioError("missing_sample_rate")
+        decoded = samples.to_numpy(zero_copy_only=False).astype(np.float32)
+        check_decoded(decoded, rate)  # as a file's samples are checked (audio.py)
+        return decoded, rate
     data = value["bytes"].as_py() if "bytes" in fields else None
     if data is not None:
         return decode_audio_bytes(data)
