@@ -148,13 +148,17 @@ def test_the_registry_drives_the_cli(capsys, monkeypatch):
         return EpsilonResult("flat", "none", "0", 1.5, delta, z, q, steps, None, {"how": "flat"})
 
     flat = Accountant("flat", "flat (test)", "none", epsilon, lambda d: d["how"], False)
-    monkeypatch.setitem(ACCOUNTANTS, "flat", flat)
-    args = ["--noise-multiplier", "1", "--sampling-rate", "0.01", "--steps", "10", *TABLE_1]
-    code, out, _ = run_cli(
-        ["privacy", "epsilon", *args, "--accountant", "flat"], capsys, monkeypatch
-    )
-    assert code == 0 and "flat" in out and "1.5" in out
-    code, out, _ = run_cli(
-        ["privacy", "epsilon", *args, "--accountant", "all", "--json"], capsys, monkeypatch
-    )
-    assert code == 0 and set(json.loads(out)) == {"rdp", "pld", "prv", "flat"}
+    ACCOUNTANTS.register("flat", flat)
+    try:
+        args = ["--noise-multiplier", "1", "--sampling-rate", "0.01", "--steps", "10", *TABLE_1]
+        code, out, _ = run_cli(
+            ["privacy", "epsilon", *args, "--accountant", "flat"], capsys, monkeypatch
+        )
+        assert code == 0 and "flat" in out and "1.5" in out
+        code, out, _ = run_cli(
+            ["privacy", "epsilon", *args, "--accountant", "all", "--json"], capsys, monkeypatch
+        )
+        assert code == 0 and set(json.loads(out)) == {"rdp", "pld", "prv", "flat"}
+    finally:  # the registry refuses assignment and removal (pflbench.extension): undo it as a dict
+        dict.pop(ACCOUNTANTS, "flat")
+        ACCOUNTANTS.origins.pop("flat")
