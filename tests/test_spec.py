@@ -267,6 +267,17 @@ eval_sets: [{name: d, corpus: commonvoice, subset: dev, locale: en, role: dev}]
 """
 
 
+def test_yaml_merge_keys_load_and_a_key_given_twice_beside_one_is_refused():
+    import yaml
+
+    from pflbench.spec.registry import _StrictLoader
+
+    text = "base: &b {lr: 1, steps: 2}\nrun:\n  <<: *b\n  lr: 3\n"
+    assert yaml.load(text, Loader=_StrictLoader)["run"] == {"lr": 3, "steps": 2}
+    with pytest.raises(yaml.constructor.ConstructorError, match="duplicate key 'lr'"):
+        yaml.load(text + "  lr: 4\n", Loader=_StrictLoader)
+
+
 def test_user_specs_appear_next_to_builtin(tmp_path, monkeypatch):
     d = _spec_dir(tmp_path, {"tasks/my-task.yaml": TASK})
     assert "my-task" in load_registry([d]).tasks
