@@ -202,6 +202,35 @@ def test_old_task_version_needs_stale_and_is_shown_stale(tmp_path, registry, dat
     assert "perlayer-dim (rule: clip) ⚠ stale (v1)" in text
 
 
+def test_a_stale_record_is_unranked_and_cannot_redefine_its_eval_sets(
+    tmp_path, registry, data, dp_record
+):
+    """A stale record's config is not resolved again, but its eval sets must be the task's: re-
+    scoring reads the record's own definitions. A version newer than the registry's is refused."""
+    newer = copy.deepcopy(dp_record)
+    newer["config"]["task"]["version"] = newer["task"]["version"] = 3
+    refused(tmp_path, registry, finalize(newer), "version 3 and numerics .* a newer one cannot")
+    moved = copy.deepcopy(dp_record)
+    moved["config"]["task"]["version"] = moved["task"]["version"] = 1
+    test_set = next(e for e in moved["config"]["task"]["eval_sets"] if e["role"] == "test")
+    test_set["subset"] = "dev"  # another subset scored as the test set
+    refused(
+        tmp_path, registry, finalize(moved), "config.task.eval_sets are not task", stale_ok=True
+    )
+    old = copy.deepcopy(dp_record)
+    old["config"]["task"]["version"] = old["task"]["version"] = 1
+    accept(write_run(tmp_path / "old", finalize(old)), tmp_path / "results", registry, data,
+           stale_ok=True)  # fmt: skip
+    accept(write_run(tmp_path / "now", dp_record), tmp_path / "results", registry, data)
+    text = render_leaderboard(load_results(tmp_path / "results"), {"fx-task": 2})
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")]
+    ranked = {cells[1]: cells[0] for cells in rows if cells[1].startswith("perlayer-dim")}
+    assert ranked == {
+        "perlayer-dim (rule: clip)": "| 1",
+        "perlayer-dim (rule: clip) ⚠ stale (v1)": "| –",
+    }
+
+
 def test_privacy_claim_mismatch(tmp_path, registry, dp_record):
     record = copy.deepcopy(dp_record)
     record["privacy"]["extrapolated"]["epsilon"]["rdp"]["epsilon"] = 1.2  # a rosier claim

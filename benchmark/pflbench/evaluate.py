@@ -3,7 +3,8 @@
 Reported per eval set:
 - pooled WER/CER: total errors / total reference words (chars) over the set, the standard way;
 - speaker-averaged WER: each speaker's own pooled WER, averaged with equal weight per speaker (the
-  paper weights speakers equally), with its std, median and 10th/90th percentiles (nearest rank):
+  paper weights speakers equally), with its std, median and 10th/90th percentiles (the value at
+  the rank nearest q·(n-1), numpy's method="nearest", ties to the even rank):
   how unevenly the errors fall on speakers;
 - per speaker: (word errors, reference words), the counts a speaker-level bootstrap resamples
   (pflbench.results.stats);

@@ -44,12 +44,15 @@ HEADER = (
     "🔌 rows ran with plug-ins (code from outside pflbench, named with its version; `pflbench "
     "submit` filed them with the same plug-in source loaded). "
     "⚠ stale: run on an older task version (v*N*), or by code whose numerics changed since "
-    f"(numerics v*N*; what changed in v{NUMERICS_VERSION}: {NUMERICS_CHANGES[NUMERICS_VERSION]}). "
+    f"(numerics v*N*; what changed in v{NUMERICS_VERSION}: {NUMERICS_CHANGES[NUMERICS_VERSION]}); "
+    "a row of an older task version is shown where its WER falls, unranked (#: –). "
     "Checked: *re-scored* = every WER/CER figure was computed again from the run's stored "
     "hypotheses and the eval sets' own references (by `pflbench submit`, and by CI for every "
     "filed record); *re-evaluated* = re-scored, and a `pflbench verify` stamp filed with the "
     "record says the final checkpoint it names was evaluated again and gave the record's numbers "
-    "(the submitter files the stamp; anyone holding the checkpoint can repeat it).\n"
+    "(the submitter's stamp: CI checks that it agrees with the record, not that it ran; anyone "
+    "holding the checkpoint can repeat it, and CI's `results reproduce` re-runs a sample of the "
+    "runs from their configs).\n"
 )
 
 
@@ -322,12 +325,19 @@ def fmt_baseline(row: Row, current_version: int | None) -> str:
     plugins = record.software.plugins or []
     if plugins:
         name += " 🔌 " + ", ".join(cell(f"{p.name} {p.version or ''}".strip()) for p in plugins)
+    why = stale_because(record, current_version)
+    return f"{name} ⚠ stale ({why})" if why else name
+
+
+def stale_because(record: ResultRecord, current_version: int | None) -> str | None:
+    """"vN" (an older task version) or "numerics vN" (older code), None for a current run and for
+    paper rows."""
+    if record.kind == "reference":
+        return None
     if current_version is not None and record.task.version != current_version:
-        return f"{name} ⚠ stale (v{record.task.version})"
+        return f"v{record.task.version}"
     numerics = record_numerics_version(record)
-    if numerics != NUMERICS_VERSION:
-        return f"{name} ⚠ stale (numerics v{numerics})"
-    return name
+    return f"numerics v{numerics}" if numerics != NUMERICS_VERSION else None
 
 
 def fmt_source(row: Row) -> str:
@@ -398,9 +408,14 @@ def render_table(
     head += ["ε extrapolated", "ε simulated", "σ_DP", "C", "cohort", "central steps", "GPU-hours"]
     head += ["record", "date", "source", "checked"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for rank, row in enumerate(sorted(rows, key=rank_key), start=1):
+    rank = 0
+    for row in sorted(rows, key=rank_key):
         record = row.first
-        cells = [str(rank), fmt_baseline(row, version)]
+        # A row of another task version ran another task: shown where its WER falls, unranked.
+        # (Older numerics are the same task computed by older code, ranked and marked.)
+        other_task = version is not None and record.task.version != version
+        rank += not other_task
+        cells = ["–" if other_task else str(rank), fmt_baseline(row, version)]
         cells += [fmt_wer(row.wers(c)) + fmt_ci(row, c) for c in columns]
         cells += [fmt_epsilon(row, "extrapolated"), fmt_epsilon(row, "simulated")]
         cells += [fmt_sigma(record), fmt_number(clip_bound(record))]

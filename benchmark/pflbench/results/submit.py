@@ -261,6 +261,12 @@ def check_task_version(
     numerics older than this pflbench's (a stale result)."""
     current = registry.task(record.task.name).spec.version
     numerics = record_numerics_version(record)
+    if record.task.version > current or numerics > NUMERICS_VERSION:
+        raise UserError(
+            f"{where}: the run states task {record.task.name!r} version {record.task.version} "
+            f"and numerics version {numerics}; this pflbench has version {current} and numerics "
+            f"{NUMERICS_VERSION}: a newer one cannot be checked here (update pflbench)"
+        )
     # Records from before runs stated their numerics are filed as they were (the leaderboard
     # marks them stale); one that states an older version is a re-submission of stale work.
     stated = record.software.numerics_version is not None
@@ -279,6 +285,19 @@ def check_task_version(
             )
         raise UserError(f"{where}: {why}; rerun it, or pass --stale to file it marked stale")
     return True
+
+
+def check_eval_sets(config: RunConfig, registry: Registry, where: str) -> None:
+    """The run's eval sets are the task's today, whatever its version: re-scoring builds the
+    references from the record's own definitions, so a stale record (whose config is not resolved
+    again) could otherwise name another subset as `cv-test` and be scored on it."""
+    current = registry.task(config.task.name).spec.eval_sets
+    if [e.model_dump() for e in config.task.eval_sets] != [e.model_dump() for e in current]:
+        raise UserError(
+            f"{where}: config.task.eval_sets are not task {config.task.name!r}'s eval sets "
+            f"({', '.join(f'{e.name}: {e.corpus} {e.subset}' for e in current)}): its WERs "
+            "cannot be compared with the other rows"
+        )
 
 
 def check_budget(config: RunConfig, registry: Registry, where: str) -> Budget:
@@ -593,6 +612,7 @@ def _validate_record(
     check_record_plugins([plugin.model_dump() for plugin in plugins], where)
     config = check_config(record, raw, where)
     stale = check_task_version(record, registry, where, stale_ok)
+    check_eval_sets(config, registry, where)
     budget = check_budget(config, registry, where)
     # A record of the current task version resolves today whatever its numerics version (stale
     # numerics change a run's last bits, not its recipe).
