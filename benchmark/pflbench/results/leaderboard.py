@@ -330,7 +330,7 @@ def fmt_baseline(row: Row, current_version: int | None) -> str:
 
 
 def stale_because(record: ResultRecord, current_version: int | None) -> str | None:
-    """"vN" (an older task version) or "numerics vN" (older code), None for a current run and for
+    """ "vN" (an older task version) or "numerics vN" (older code), None for a current run and for
     paper rows."""
     if record.kind == "reference":
         return None
