@@ -555,3 +555,20 @@ def test_sources_are_named_as_the_paper_names_them() -> None:
     assert source_name(ls.model_copy(update={"subsets": ["dev-clean"]})) == "LS:dev-clean"
     cv = DataSource(corpus="commonvoice", subsets=["train"], locale="fr", iid=True)
     assert source_name(cv) == "CV-fr-train (IID)"
+
+
+def test_an_utterance_filed_under_another_speaker_is_skipped_and_counted(tmp_path: Path) -> None:
+    """Its id names one speaker (the DP user), its folder another: it is not taken as either."""
+    small_librispeech(tmp_path, ["1070-8901-0000 HELLO THERE", "2412-8901-0001 GOOD DAY"])
+    skips = Skips()
+    entries = subset_manifest(tmp_path, "librispeech", "dev-clean", None, "en", skips).entries
+    assert [e.utt_id for e in entries] == ["1070-8901-0000"]
+    assert skips.counts == {"misplaced_utterance": 1}
+
+
+def test_a_tsv_with_a_byte_order_mark_reads_as_without(tmp_path: Path) -> None:
+    rows = [("speaker0", "clip0.mp3", "Hello there."), ("speaker1", "clip1.mp3", "Good day.")]
+    tsv = small_commonvoice(tmp_path, "dev", rows)
+    plain = subset_manifest(tmp_path, "commonvoice", "dev", "en", "en", Skips()).entries
+    tsv.write_bytes(b"\xef\xbb\xbf" + tsv.read_bytes())
+    assert subset_manifest(tmp_path, "commonvoice", "dev", "en", "en", Skips()).entries == plain

@@ -210,6 +210,11 @@ def librispeech_manifest(subset_dir: Path, subset: str, language: str, skips: Sk
             utt_id, raw = match.group(1), match.group(2) or ""
             audio = trans.parent / f"{utt_id}.flac"
             described.add(audio.name)
+            # The id names its speaker (the DP user) and chapter: one filed in another speaker's
+            # folder says two things about who spoke it.
+            if not utt_id.startswith(f"{trans.parent.parent.name}-{trans.parent.name}-"):
+                skips.add("misplaced_utterance", utt_id)
+                continue
             if skips.seen_before(utt_id):
                 continue
             if not audio.is_file():
@@ -309,7 +314,7 @@ def commonvoice_rows(
 ) -> tuple[list[Entry], dict[str, int]]:
     """The TSV's entries, and the index of its column of each speaker attribute it has."""
     clips = tsv.parent / "clips"
-    with tsv.open(encoding="utf-8", newline="") as f:
+    with tsv.open(encoding="utf-8-sig", newline="") as f:  # a BOM some editors add is not a name
         rows = csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE)
         header = next(rows, None) or []
         missing = [c for c in CV_REQUIRED_COLUMNS if c not in header]
