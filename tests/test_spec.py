@@ -135,6 +135,18 @@ def test_builtin_task_configs_keep_their_golden_hashes():
     assert [key for key in golden if hashes[key] != golden[key]] == []
 
 
+def test_every_builtin_task_and_baseline_make_a_recipe_that_fits_its_methods():
+    """A baseline's options are checked whole only with a task (which completes the recipe):
+    every shipped pairing is, as `pflbench run` checks it before it starts."""
+    from pflbench.methods import check_recipe, load_specs
+
+    registry = load_specs()
+    for task in sorted(registry.tasks):
+        for baseline in sorted(registry.baselines):
+            config = resolve(registry, task, baseline, "none", 0)
+            check_recipe(config.recipe, f"{task} + {baseline}")
+
+
 def test_a_field_marked_added_later_is_hashed_only_when_set():
     # The rule, not per-field code: any field marked ADDED_LATER drops out at its default.
     class Later(Strict):
