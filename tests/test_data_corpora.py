@@ -293,6 +293,9 @@ def faulty_root(tiny_corpus_root: Path, tmp_path_factory: pytest.TempPathFactory
     lines.append("\t".join([first["client_id"], "empty_sentence.mp3", ""] + [""] * 8))
     shutil.copy(cv / "clips" / first["path"], cv / "clips" / "quote.mp3")
     lines.append("\t".join([first["client_id"], "quote.mp3", 'He said "hello there.'] + [""] * 8))
+    # A sentence in another script: transliterated it would be words nobody said ("moskva").
+    shutil.copy(cv / "clips" / first["path"], cv / "clips" / "cyrillic.mp3")
+    lines.append("\t".join([first["client_id"], "cyrillic.mp3", "Welcome to Москва."] + [""] * 8))
     (cv / "dev.tsv").write_text(header + "\n" + "\n".join(lines) + "\n")
     return root
 
@@ -311,12 +314,16 @@ def test_bad_input_is_skipped_counted_and_reported(faulty_root: Path, tmp_path: 
     assert ls["examples"]["empty_transcript"] == [f"{stem}-0901"]
     assert ls["examples"]["characters_outside_token_set"] == [f"{stem}-0902"]
     assert ls["examples"]["missing_audio_file"] == [f"{stem}-0903"]
-    assert cv["counts"] == {"empty_transcript": 1, "malformed_tsv_row": 1, "missing_audio_file": 1}
+    assert cv["counts"] == {
+        "characters_outside_token_set": 1, "empty_transcript": 1, "malformed_tsv_row": 1,
+        "missing_audio_file": 1,
+    }  # fmt: skip
     assert cv["examples"]["missing_audio_file"] == ["missing_clip"]
+    assert cv["examples"]["characters_outside_token_set"] == ["cyrillic"]
     fed = data.federated_train
     assert "he said hello there" in {u.text for u in fed}
     n_rows = len(read_tsv(faulty_root / "cv-corpus-99.0" / "en" / "dev.tsv"))
-    assert len(fed) == n_rows - 3  # missing clip, empty sentence, short row
+    assert len(fed) == n_rows - 4  # missing clip, empty sentence, short row, Cyrillic
     # Where each split was read, and why LibriSpeech's speakers have no groups here.
     assert data.report["federated"]["read_from"] == {"dev": "cv-corpus-99.0/en/dev.tsv"}
     assert data.report["eval:ls-dev"]["read_from"] == {"dev-clean": "LibriSpeech/dev-clean"}

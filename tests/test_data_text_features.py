@@ -26,6 +26,17 @@ from pflbench.data.text import normalize, tokenizer_for
         ("Größe Übung — Straße!", "de", "größe übung straße"),
         (" -- 'quoted' - ", "en", "quoted"),
         ("!!!", "en", ""),
+        # Only Latin letters are spelled in ASCII; invisible formatting and lone diacritics go.
+        (
+            "Ｆullwidth ﬁne Øre Æther co\u00adop zero\u200bwidth q\u0303",
+            "en",
+            "fullwidth fine ore aether coop zerowidth q",
+        ),
+        ("Ñandú in Straße", "fr", "nandu in strasse"),
+        # Another script's letters stay (the tokenizer rejects them: a counted skip), and a
+        # symbol is removed like punctuation instead of spelled as a word ("EUR").
+        ("Москва costs €", "en", "москва costs"),
+        ("東京 α", "en", "東京 α"),
     ],
 )
 def test_normalize(raw: str, language: str, expected: str) -> None:

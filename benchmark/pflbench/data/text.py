@@ -1,9 +1,12 @@
 """Transcript normalization and character token sets (PAPER.md, Data).
 
-English: lowercase, unidecode, punctuation removed except hyphen and apostrophe inside words.
-French/German: lowercase, keep their letters and single quotes; other letters are unidecoded.
-Characters that survive normalization but are not tokens (digits, ...) are not removed here: the
-tokenizer rejects them and the adapters count the utterance as dropped, so nothing is silent.
+English: lowercase, Latin letters spelled in ASCII (unidecode: é → e, æ → ae), punctuation
+removed except hyphen and apostrophe inside words.
+French/German: lowercase, keep their letters and single quotes; other Latin letters are spelled in
+ASCII.
+Only Latin letters are transliterated: a letter of another script (Москва, 東京, α) or a digit is
+not a spelling of what the speaker said, so it survives normalization, the tokenizer rejects it
+and the adapters count the utterance as dropped (characters_outside_token_set): nothing is silent.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from functools import cache
 
 from unidecode import unidecode
 
-NORMALIZER_VERSION = 1
+NORMALIZER_VERSION = 2  # 2: only Latin letters are transliterated
 EXTRA_LETTERS = {"en": "", "fr": "àâæçéèêëîïôœùûüÿ", "de": "äöüß"}
 BLANK = "<blank>"
 _APOSTROPHES = str.maketrans({"’": "'", "‘": "'", "ʼ": "'", "`": "'", "´": "'"})
@@ -35,13 +38,27 @@ def _is_punctuation(ch: str) -> bool:
     return unicodedata.category(ch)[0] in "PS" and ch not in _EDGE_MARKS
 
 
+def _spelled_in_ascii(ch: str) -> str:
+    """A character outside the language's letters, as normalization keeps it."""
+    category = unicodedata.category(ch)
+    # A diacritic NFC found no precomposed letter for, or invisible formatting (soft hyphen,
+    # zero-width space): dropped, as unidecode drops an accent.
+    if category in ("Mn", "Cf"):
+        return ""
+    # A Latin letter (é, ø, ß, the ligature ﬁ, fullwidth Ａ): its ASCII spelling.
+    if category[0] == "L" and "LATIN" in unicodedata.name(ch, "").split():
+        return unidecode(ch).lower()
+    # Punctuation and symbols become spaces (normalize); anything else is left for the tokenizer
+    # to reject: unidecode would spell 東京 "dong jing" and € "EUR", words nobody said.
+    return ch
+
+
 def normalize(text: str, language: str) -> str:
     """The normalized transcript: lowercase words of the language's letters, ' and - inside words,
     single spaces."""
     keep = set(letters(language))
     text = unicodedata.normalize("NFC", text).translate(_APOSTROPHES).translate(_HYPHENS).lower()
-    # Unidecode only what is not already one of the language's letters (all of it for English).
-    text = "".join(ch if ch in keep else unidecode(ch).lower() for ch in text)
+    text = "".join(ch if ch in keep else _spelled_in_ascii(ch) for ch in text)
     text = "".join(" " if _is_punctuation(ch) else ch for ch in text)
     words = (w.strip(_EDGE_MARKS) for w in _SPACES.split(text))
     return " ".join(w for w in words if w)
