@@ -15,6 +15,7 @@ from click.testing import Result
 from pydantic import Field
 from typer.testing import CliRunner
 
+from pflbench import __version__
 from pflbench.cli import app
 from pflbench.errors import UserError
 from pflbench.spec.models import ADDED_LATER, PrivacyRecipe, Recipe, Strict
@@ -371,6 +372,11 @@ def test_cli_help_lists_every_group():
         "results plot bench"
     ).split():
         assert f" {group} " in out.stdout, group
+
+
+def test_cli_version_alone_prints_it():
+    out = _cli("--version")  # before a command is asked for
+    assert out.exit_code == 0 and out.stdout.strip() == __version__
 
 
 def test_cli_show_json_and_unknown_name():

@@ -22,16 +22,26 @@ app = typer.Typer(
 _debug = False
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
 @app.callback()
 def _root(
     debug: bool = typer.Option(False, "--debug", help="Show full tracebacks on errors."),
-    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+    # Eager: it answers while the arguments are parsed, before a command is asked for.
+    version: bool = typer.Option(
+        False,
+        "--version",
+        help="Print the version and exit.",
+        callback=_print_version,
+        is_eager=True,
+    ),
 ) -> None:
     global _debug
     _debug = debug
-    if version:
-        typer.echo(__version__)
-        raise typer.Exit()
 
 
 def _register() -> None:
