@@ -1,4 +1,5 @@
-"""CLI: `seed` (train or reuse a task's seed model) and `eval` (WER/CER of a checkpoint)."""
+"""CLI: `seed` (train or reuse a task's seed model), `eval` (WER/CER of a checkpoint) and `verify`
+(re-evaluate a finished run's final model)."""
 
 from __future__ import annotations
 

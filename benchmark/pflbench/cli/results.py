@@ -1,4 +1,5 @@
-"""CLI: submit, leaderboard, results (export, validate), plot, sweep."""
+"""CLI: submit, leaderboard, compare, validity, results (export, validate, rescore, reproduce,
+paper, schema), plot, sweep."""
 
 from __future__ import annotations
 

@@ -99,8 +99,8 @@ def register(app: typer.Typer) -> None:
         budget: str = typer.Option(
             None,
             "--budget",
-            help="Privacy budget name (default: the task's first budget for a baseline that can"
-            " run under DP, else none).",
+            help="Privacy budget name (default: the task's first budget for federated training"
+            " that clips client updates, else none; example-level DP-SGD names its budget).",
         ),
         seed: int = typer.Option(0, "--seed", help="Run seed (cohorts, batches, noise)."),
         sets: list[str] = typer.Option(

@@ -1,4 +1,6 @@
-"""CLI: `tasks`, `baselines` and `budgets` — list and show the declarative specs."""
+"""CLI: `tasks`, `baselines` and `budgets` — list and show the declarative specs; `budgets match`
+(a budget matched to another model size and cohort) and `specs hashes` (the golden config
+hashes)."""
 
 from __future__ import annotations
 
