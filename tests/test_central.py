@@ -8,7 +8,8 @@ import torch
 from safetensors.torch import save_file
 
 from pflbench.central import (
-    LAST,
+    SEED_CHECKPOINTS,
+    CentralCheckpoints,
     compare_with_shipped,
     epoch_batches,
     seed_model,
@@ -17,7 +18,7 @@ from pflbench.central import (
     step_decay_lr,
     train_central,
 )
-from pflbench.checkpoint import ELAPSED, Elapsed, load_checkpoint, load_model
+from pflbench.checkpoint import ELAPSED, Elapsed, latest_checkpoint, load_checkpoint, load_model
 from pflbench.data.batching import collate
 from pflbench.data.corpora import Entry
 from pflbench.data.prepare import TaskData
@@ -115,7 +116,7 @@ def test_resumed_training_equals_uninterrupted_training(tmp_path):
                 device="cpu",
                 seed=3,
                 progress=False,
-                resume_dir=folder,
+                checkpoints=CentralCheckpoints(folder),
                 elapsed=clocks[-1],
             )
         return model.state_dict(), stats
@@ -126,14 +127,59 @@ def test_resumed_training_equals_uninterrupted_training(tmp_path):
     # last checkpoint holds both processes' time.
     first = clocks[2].before
     assert 0 < first <= clocks[1].seconds()
-    _, meta = load_checkpoint(tmp_path / "b" / LAST)
+    _, meta = load_checkpoint(latest_checkpoint(tmp_path / "b", SEED_CHECKPOINTS))
     assert first < meta[ELAPSED] <= clocks[2].seconds()
     assert stats["steps_this_run"] == 4 and resumed_stats["steps_this_run"] == 2
     for name in straight:
         assert torch.equal(straight[name], resumed[name]), name
     assert stats["final_loss"] > 0 and stats["seconds_of_audio"] > 0
+    # the seed sidecar's audio and loss are the whole training's, not the last process's
+    assert resumed_stats["final_loss"] == stats["final_loss"]
+    assert resumed_stats["seconds_of_audio"] == pytest.approx(stats["seconds_of_audio"])
     # layer freezing's scores cover the whole training, across the resume too
     assert resumed_stats["layer_grad_sq_sums"] == stats["layer_grad_sq_sums"]
+
+
+def test_a_kill_between_a_checkpoint_s_two_files_resumes_the_same_training(tmp_path, monkeypatch):
+    """A checkpoint is two files renamed one after the other. Killed between the two (here: the
+    third sidecar's write fails), the training resumes from the previous complete checkpoint and
+    ends in the uninterrupted model. Before, one name was rewritten at every checkpoint, and the
+    kill left step 3's tensors beside step 2's sidecar: the resume replayed step 3 on top."""
+    import pflbench.checkpoint as checkpoint
+
+    store = tone_store(tmp_path / "store")
+    recipe = RECIPE.model_copy(update={"steps": 4})
+
+    def trained(folder: Path) -> dict:
+        torch.manual_seed(0)
+        model = build_model("tiny", vocab_size=tokenizer_for("en").size)
+        train_central(
+            model, store, recipe, AUGMENT, device="cpu", seed=3, progress=False,
+            checkpoints=CentralCheckpoints(folder, every=1),
+        )  # fmt: skip
+        return model.state_dict()
+
+    straight = trained(tmp_path / "a")
+    real_write, sidecars = checkpoint.atomic_write_text, []
+
+    def killed_at_the_third_sidecar(path, text):
+        sidecars.append(path)
+        if len(sidecars) == 3:
+            raise KeyboardInterrupt("killed")
+        real_write(path, text)
+
+    monkeypatch.setattr(checkpoint, "atomic_write_text", killed_at_the_third_sidecar)
+    with pytest.raises(KeyboardInterrupt):
+        trained(tmp_path / "b")
+    monkeypatch.setattr(checkpoint, "atomic_write_text", real_write)
+    _, meta = load_checkpoint(latest_checkpoint(tmp_path / "b", SEED_CHECKPOINTS))
+    assert meta["step"] == 2
+    resumed = trained(tmp_path / "b")
+    for name in straight:
+        assert torch.equal(straight[name], resumed[name]), name
+    assert [p.name for p in sorted((tmp_path / "b").iterdir())] == [
+        "central-0000004.json", "central-0000004.safetensors",
+    ]  # fmt: skip
 
 
 def test_seed_training_sums_each_parameters_squared_gradient_norm_before_clipping(tmp_path):

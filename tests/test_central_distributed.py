@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 from conftest import free_port
 from test_central import AUGMENT, RECIPE, tone_store
 
-from pflbench.central import batch_shares, train_central
+from pflbench.central import CentralCheckpoints, batch_shares, train_central
 from pflbench.data.store import FeatureStore, torch_threads
 from pflbench.data.text import tokenizer_for
 from pflbench.errors import UserError
@@ -35,7 +35,7 @@ def _train(store_path: str, steps: int, resume_dir: str | None, ctx) -> tuple[di
         device="cpu",
         seed=3,
         progress=False,
-        resume_dir=resume_dir,
+        checkpoints=CentralCheckpoints(resume_dir) if resume_dir else None,
         ctx=ctx,
     )
     return model.state_dict(), stats
@@ -112,17 +112,20 @@ def test_multi_process_seed_training_refuses_dropout_and_other_process_counts(tm
         )
     one_step = RECIPE.model_copy(update={"steps": 1})
     train_central(
-        build_model("tiny", vocab), store, one_step, AUGMENT, **kwargs, resume_dir=tmp_path
+        build_model("tiny", vocab),
+        store,
+        one_step,
+        AUGMENT,
+        **kwargs,
+        checkpoints=CentralCheckpoints(tmp_path),
     )
-    with pytest.raises(
-        UserError, match="1-process seed training; resume it with 1 processes, not 2"
-    ):
+    with pytest.raises(UserError, match="1-process training; resume it with 1 processes, not 2"):
         train_central(
             build_model("tiny", vocab),
             store,
             RECIPE,
             AUGMENT,
             **kwargs,
-            resume_dir=tmp_path,
+            checkpoints=CentralCheckpoints(tmp_path),
             ctx=two,
         )

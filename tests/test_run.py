@@ -19,7 +19,7 @@ import yaml
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
-from pflbench.checkpoint import ELAPSED, load_checkpoint
+from pflbench.checkpoint import ELAPSED, latest_checkpoint, load_checkpoint, save_checkpoint
 from pflbench.cli import app
 from pflbench.errors import UserError
 from pflbench.fl.distributed import DistContext
@@ -27,7 +27,6 @@ from pflbench.fl.simulator import Simulator
 from pflbench.model.transformer import build_model
 from pflbench.numerics import NUMERIC_PACKAGES
 from pflbench.results.schema import compute_record_id, load_record
-from pflbench.rundir import latest_checkpoint
 from pflbench.runner import RunOptions, run
 from pflbench.spec.models import Recipe
 from pflbench.spec.registry import load_registry
@@ -158,7 +157,7 @@ def test_layerfreeze_leaves_the_frozen_tensors_bitwise_equal(env, tmp_path):
     run_dir = run(
         config, out_dir=tmp_path / "run", options=RunOptions(progress=False, checkpoint_every=1)
     )
-    trained = set(load_checkpoint(latest_checkpoint(run_dir))[1]["trained"])
+    trained = set(load_checkpoint(latest_checkpoint(run_dir / "checkpoints", "step"))[1]["trained"])
     final, meta = load_checkpoint(run_dir / "checkpoints" / "final.safetensors")
     seed, _ = load_checkpoint(Path(meta["seed_checkpoint"]))
     params = {n for n, _ in build_model("tiny", 30).named_parameters()}
@@ -244,12 +243,37 @@ def test_parallel_clients_give_the_same_run_to_float_tolerance(env, tmp_path):
         torch.testing.assert_close(a[name], b[name], rtol=1e-3, atol=1e-5)
 
 
+def test_resuming_on_another_thread_count_or_device_is_refused(env, tmp_path, monkeypatch):
+    """CPU kernels split their sums by the thread count, and a CUDA generator draws other
+    numbers: a run resumed on either would not continue the computation its record claims."""
+    threads = torch.get_num_threads()
+    config = _config(env, "perlayer-dim")
+    stopped = RunOptions(progress=False, checkpoint_every=1, stop_after=1)
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        run_dir = run(config, out_dir=tmp_path / "r", options=stopped)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")
+        with pytest.raises(UserError, match="cpu threads 1, this process has 2"):
+            run(config, out_dir=run_dir, resume=True, options=RunOptions(progress=False))
+        monkeypatch.setenv("OMP_NUM_THREADS", "1")
+        path = latest_checkpoint(run_dir / "checkpoints", "step")
+        tensors, meta = load_checkpoint(path)
+        save_checkpoint(path, tensors, meta | {"setup": meta["setup"] | {"device": "cuda"}})
+        with pytest.raises(UserError, match="device cuda, this process has cpu"):
+            run(config, out_dir=run_dir, resume=True, options=RunOptions(progress=False))
+        save_checkpoint(path, tensors, meta)
+        run(config, out_dir=run_dir, resume=True, options=RunOptions(progress=False))
+        assert (run_dir / "DONE").exists()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def check_resumed_wall_counts_both_processes(config, run_dir: Path) -> None:
     """Run `config` to 2 steps (a killed process), resume it to the end: the record's wall time
     is the first process's time up to its last checkpoint plus the whole second process."""
     stopped = RunOptions(progress=False, checkpoint_every=1, stop_after=2)
     run(config, out_dir=run_dir, options=stopped)
-    _, meta = load_checkpoint(latest_checkpoint(run_dir))
+    _, meta = load_checkpoint(latest_checkpoint(run_dir / "checkpoints", "step"))
     first = meta[ELAPSED]
     started = time.perf_counter()
     run(config, out_dir=run_dir, resume=True, options=RunOptions(progress=False))
@@ -278,15 +302,21 @@ def test_resuming_with_other_parallel_clients_is_refused(env, tmp_path):
         )
 
 
-def test_resuming_on_other_inputs_is_refused(env, tmp_path):
+@pytest.mark.parametrize("baseline", ["perlayer-dim", "central"])
+def test_resuming_on_other_inputs_is_refused(env, tmp_path, baseline):
     """A checkpoint carries the digests of the data and starting weights (the record's) and of
-    the plug-ins; a plug-in loaded only for the resume is another input: refused, naming it."""
+    the plug-ins; a plug-in loaded only for the resume is another input: refused, naming it.
+    Central fine-tuning's checkpoints too (they carried none of it: a resumed central row
+    could mix two runs), and it stops where told as federated training does."""
     from pflbench import plugins
 
-    config = _config(env, "perlayer-dim")
+    config = _config(env, baseline)
     stopped = RunOptions(progress=False, checkpoint_every=1, stop_after=2)
     run_dir = run(config, out_dir=tmp_path / "r", options=stopped)
-    _, meta = load_checkpoint(latest_checkpoint(run_dir))
+    assert not (run_dir / "DONE").exists()
+    prefix = "central" if baseline == "central" else "step"
+    _, meta = load_checkpoint(latest_checkpoint(run_dir / "checkpoints", prefix))
+    assert meta["step"] == 2
     helper = tmp_path / "extra_sgd.py"
     helper.write_text(
         "from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS as S\n"

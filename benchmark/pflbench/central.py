@@ -10,8 +10,9 @@ uninterrupted run would have.
 
 Under torchrun each process trains on its share of every batch (dealt by length, so the shares pad
 alike), with the SpecAugment masks and CAPE positions the whole batch would have; the summed
-gradients are all-reduced, so a step equals the one-process step up to float summation order.
-Dropout and layer drop would draw per process, so multi-process training refuses them.
+gradients are all-reduced, so a step equals the one-process step up to float summation order
+(differences that grow over a training: Adam's normalization amplifies them). Dropout and layer
+drop would draw per process, so multi-process training refuses them.
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import json
 import os
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -32,11 +34,14 @@ from torch import Tensor, nn
 from pflbench.checkpoint import (
     ELAPSED,
     Elapsed,
+    latest_checkpoint,
     load_checkpoint,
     load_model,
     meta_path,
+    prune_checkpoints,
     save_checkpoint,
     save_model,
+    step_checkpoint,
 )
 from pflbench.data.batching import collate, dynamic_batches
 from pflbench.data.features import spec_augment as apply_spec_augment
@@ -108,8 +113,25 @@ def load_optimizer_tensors(opt: torch.optim.Optimizer, tensors: dict[str, Tensor
     opt.load_state_dict({"state": state, "param_groups": opt.state_dict()["param_groups"]})
 
 
-LAST = "central-last.safetensors"
 GRAD_SQ = "layer_grad_sq"  # the resume checkpoint's running Σ‖g_h‖² (float64 [H])
+SEED_CHECKPOINTS = "central"  # a seed training's checkpoints: central-NNNNNNN in its cache folder
+RECENT_LOSSES = 10  # the steps `final_loss` averages
+
+
+@dataclass(frozen=True)
+class CentralCheckpoints:
+    """Where train_central keeps its resumable state, and how: `folder/prefix-NNNNNNN` every
+    `every` steps (None: ~10% of the steps) and at the end, each carrying `carry` (a run's config
+    hash, inputs and setup); the latest is continued after `check_resume(its metadata)`, which
+    raises where it may not be. `stop_after`: end the process after that many steps in total,
+    without finishing (for tests and preemption; steps after the last checkpoint are redone)."""
+
+    folder: Path
+    prefix: str = SEED_CHECKPOINTS
+    every: int | None = None
+    stop_after: int | None = None
+    carry: dict = field(default_factory=dict)
+    check_resume: Callable[[dict], None] | None = None
 
 
 def epoch_batches(seconds: list[float], recipe: CentralRecipe, seed: int) -> Iterator[list[int]]:
@@ -201,14 +223,17 @@ def train_central(
     device,
     seed: int,
     progress: bool = True,
-    resume_dir: Path | None = None,
+    checkpoints: CentralCheckpoints | None = None,
     ctx: DistContext = DistContext(),
     elapsed: Elapsed | None = None,
-) -> dict:
+) -> dict | None:
     """Train `model` in place for recipe.steps steps; returns stats, with the per-parameter sums
-    of squared gradient norms over all steps (`layer_grad_sq_sums`). With `resume_dir`, the state
-    is checkpointed there (by rank 0) every ~10% of the steps and a previous partial run with the
-    same number of processes is continued; `elapsed` (a run's clock) is checkpointed with it."""
+    of squared gradient norms over all steps (`layer_grad_sq_sums`), or None where
+    `checkpoints.stop_after` ended it first. With `checkpoints`, rank 0 checkpoints the state
+    (CentralCheckpoints) and a previous partial training with the same number of processes is
+    continued; `elapsed` (a run's clock) is checkpointed with it. The stats' steps_this_run,
+    wall_seconds and audio_seconds_per_second are this process's; seconds_of_audio, final_loss
+    and layer_grad_sq_sums the whole training's."""
     if ctx.world_size > 1 and (model.cfg.dropout > 0 or model.cfg.layer_drop > 0):
         raise UserError(
             f"seed training on {ctx.world_size} processes needs model dropout and layer_drop 0 "
@@ -219,27 +244,44 @@ def train_central(
     opt = make_central_optimizer(model.named_parameters(), recipe)
     names = [name for name, _ in model.named_parameters()]
     grad_sq = torch.zeros(len(names), dtype=torch.float64, device=device)
-    start = 0
-    last = Path(resume_dir) / LAST if resume_dir else None
-    if last and last.is_file() and last.with_suffix(".json").is_file():
-        tensors, meta = load_checkpoint(last)
+    start, audio_before, losses = 0, 0.0, []
+    latest = latest_checkpoint(checkpoints.folder, checkpoints.prefix) if checkpoints else None
+    if latest is not None:
+        tensors, meta = load_checkpoint(latest)
         if meta.get("processes", 1) != ctx.world_size:
             raise UserError(
-                f"{last}: written by a {meta.get('processes', 1)}-process seed training; resume "
+                f"{latest}: written by a {meta.get('processes', 1)}-process training; resume "
                 f"it with {meta.get('processes', 1)} processes, not {ctx.world_size}"
             )
+        if checkpoints.check_resume is not None:
+            checkpoints.check_resume(meta)
         model.load_state_dict(
             {k: v for k, v in tensors.items() if not k.startswith(("optim.", GRAD_SQ))}
         )
         load_optimizer_tensors(opt, tensors)
         grad_sq.copy_(tensors[GRAD_SQ])
         start = int(meta["step"])
+        audio_before, losses = meta.get("seconds_of_audio", 0.0), meta.get("recent_losses", [])
         if elapsed is not None:
             elapsed.resume(meta)
     utterances = list(store)  # the seed corpus is held in memory for the run
     batches = epoch_batches([u.seconds for u in utterances], recipe, seed)
-    save_every = max(1, recipe.steps // 10)
-    audio, losses, t0 = 0.0, [], time.perf_counter()
+    every = (checkpoints.every if checkpoints else None) or max(1, recipe.steps // 10)
+    stop_after = checkpoints.stop_after if checkpoints else None
+    audio, steps_this_run, t0 = 0.0, 0, time.perf_counter()
+
+    def save(steps_done: int) -> None:
+        path = step_checkpoint(checkpoints.folder, checkpoints.prefix, steps_done)
+        meta = {
+            "step": steps_done, "seed": seed, "processes": ctx.world_size,
+            "seconds_of_audio": audio_before + audio, "recent_losses": losses[-RECENT_LOSSES:],
+            **checkpoints.carry,
+        } | ({ELAPSED: elapsed.seconds()} if elapsed is not None else {})  # fmt: skip
+        save_checkpoint(
+            path, {**model.state_dict(), **optimizer_tensors(opt), GRAD_SQ: grad_sq}, meta
+        )
+        prune_checkpoints(checkpoints.folder, checkpoints.prefix, path)
+
     with progress_bar(progress) as bar:
         task = bar.add_task("train", total=recipe.steps, completed=start, info="")
         for step, idx in enumerate(batches):
@@ -247,6 +289,8 @@ def train_central(
                 break
             if step < start:
                 continue
+            if stop_after is not None and step >= stop_after:
+                return None
             seed_global_draws(keyed_seed(seed, "step", step), device)  # dropout, CAPE, layer drop
             for group in opt.param_groups:
                 group["lr"] = step_decay_lr(recipe, step)
@@ -257,23 +301,19 @@ def train_central(
                     model, opt, items, recipe, spec_augment, gen, grad_sq, device=device, ctx=ctx
                 )
             )
+            steps_this_run += 1
             audio += sum(utterances[i].seconds for i in idx)
             rate = audio / (time.perf_counter() - t0)
             bar.update(task, advance=1, info=f"loss {losses[-1]:7.2f}  {rate:6.1f} s-audio/s")
-            saving = last and ((step + 1) % save_every == 0 or step + 1 == recipe.steps)
+            saving = checkpoints and ((step + 1) % every == 0 or step + 1 == recipe.steps)
             if saving and ctx.is_main:
-                save_checkpoint(
-                    last,
-                    {**model.state_dict(), **optimizer_tensors(opt), GRAD_SQ: grad_sq},
-                    {"step": step + 1, "seed": seed, "processes": ctx.world_size}
-                    | ({ELAPSED: elapsed.seconds()} if elapsed is not None else {}),
-                )
+                save(step + 1)
     wall = time.perf_counter() - t0
-    tail = losses[-10:]
+    tail = losses[-RECENT_LOSSES:]
     return {
         "steps": recipe.steps,
-        "steps_this_run": len(losses),
-        "seconds_of_audio": audio,
+        "steps_this_run": steps_this_run,
+        "seconds_of_audio": audio_before + audio,
         "wall_seconds": wall,
         "audio_seconds_per_second": audio / wall if wall > 0 else None,
         "final_loss": sum(tail) / len(tail) if tail else None,
@@ -410,7 +450,7 @@ def seed_model(
                     device=device,
                     seed=seed,
                     progress=progress,
-                    resume_dir=folder,
+                    checkpoints=CentralCheckpoints(folder),
                     ctx=ctx,
                 )
             meta = {
@@ -429,8 +469,7 @@ def seed_model(
             }
             if ctx.is_main:
                 save_model(path, model, meta)
-                (folder / LAST).unlink(missing_ok=True)
-                (folder / LAST).with_suffix(".json").unlink(missing_ok=True)
+                prune_checkpoints(folder, SEED_CHECKPOINTS, path)
             barrier(ctx)
             return model.eval(), path
     loaded, _ = load_model(path, device)

@@ -4,12 +4,17 @@
     seed.json          config, data digests, training stats — written last, so a checkpoint
                        is complete exactly when its JSON exists
 
-Both files are written to a temporary name and renamed, so a crash never leaves a torn file.
+Both files are written to a temporary name and renamed, so a crash never leaves a torn file. A
+training's checkpoints each have their own name (`step-0000040`, `central-0000040`) and the older
+ones are pruned only once a newer one is complete: the pair of files is not renamed at once, so a
+kill between the two renames of a rewritten name would pair one save's tensors with another's
+sidecar.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -54,6 +59,26 @@ def save_checkpoint(path: Path, tensors: dict[str, Tensor], meta: dict) -> None:
     atomic_write(path, lambda tmp: save_file(cpu, str(tmp)))
     text = json.dumps(meta, indent=2, sort_keys=True, default=str)
     atomic_write_text(meta_path(path), text)
+
+
+def step_checkpoint(folder: Path, prefix: str, step: int) -> Path:
+    """Where a training's checkpoint after `step` steps goes: `folder/prefix-NNNNNNN`."""
+    return Path(folder) / f"{prefix}-{step:07d}.safetensors"
+
+
+def latest_checkpoint(folder: Path, prefix: str) -> Path | None:
+    """The newest complete step_checkpoint in `folder` (its JSON sidecar is written last)."""
+    name = re.compile(rf"{re.escape(prefix)}-\d{{7}}\.json")
+    done = sorted(p for p in Path(folder).glob(f"{prefix}-*.json") if name.fullmatch(p.name))
+    return done[-1].with_suffix(".safetensors") if done else None
+
+
+def prune_checkpoints(folder: Path, prefix: str, keep: Path) -> None:
+    """Remove `folder`'s other `prefix-*` checkpoints (complete or not) and the temporary files a
+    killed write left of them, once `keep` is complete."""
+    for old in [*Path(folder).glob(f"{prefix}-*"), *Path(folder).glob(f".{prefix}-*.tmp")]:
+        if old.stem != keep.stem:
+            old.unlink(missing_ok=True)
 
 
 def load_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict]:

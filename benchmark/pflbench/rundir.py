@@ -74,18 +74,6 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> None:
     atomic_write_text(existing, config_json + "\n")
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The newest complete step checkpoint (its JSON sidecar is written last)."""
-    done = sorted((run_dir / "checkpoints").glob("step-*.json"))
-    return done[-1].with_suffix(".safetensors") if done else None
-
-
-def prune_checkpoints(run_dir: Path, keep: Path) -> None:
-    for old in (run_dir / "checkpoints").glob("step-*"):
-        if old.stem != keep.stem:
-            old.unlink(missing_ok=True)
-
-
 ERROR_KEYS = ("utt_id", "speaker", "word_errors", "words", "char_errors", "chars")
 
 

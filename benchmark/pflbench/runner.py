@@ -23,7 +23,16 @@ from pathlib import Path
 import torch
 
 from pflbench.central import set_cpu_threads
-from pflbench.checkpoint import ELAPSED, Elapsed, load_checkpoint, save_checkpoint, save_model
+from pflbench.checkpoint import (
+    ELAPSED,
+    Elapsed,
+    latest_checkpoint,
+    load_checkpoint,
+    prune_checkpoints,
+    save_checkpoint,
+    save_model,
+    step_checkpoint,
+)
 from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
 from pflbench.evaluate import evaluate_task, seed_model_summary
@@ -42,10 +51,8 @@ from pflbench.rundir import (
     HYPOTHESES_DIR,
     default_run_dir,
     is_done,
-    latest_checkpoint,
     mark_done,
     prepare_run_dir,
-    prune_checkpoints,
     write_hypotheses,
     write_utterance_errors,
 )
@@ -290,11 +297,11 @@ def _federated_state(p: Prepared) -> FederatedState:
         trained, p.options.parallel_clients, p.run_dir / "user-state",
         compile_backend=p.options.compile_backend,
     )  # fmt: skip
+    seed_summary = meta.get("seed_results")
+    if p.ctx.is_main and seed_summary is None:  # the seed model's: before a checkpoint is loaded
+        seed_summary = seed_model_summary(sim.model, p.data, config, p.device, p.seed_path)
     if tensors is not None:
         sim.load_state_dict(tensors)
-    seed_summary = meta.get("seed_results")
-    if p.ctx.is_main and seed_summary is None:
-        seed_summary = seed_model_summary(sim.model, p.data, config, p.device, p.seed_path)
     return FederatedState(sim, sigma_dp, trained, seed_summary, meta.get("metrics", []))
 
 
@@ -314,21 +321,74 @@ def _save_federated_checkpoint(p: Prepared, state: FederatedState) -> None:
     sim.checkpointed()
 
 
+STEP_CHECKPOINTS = "step"  # checkpoints/step-NNNNNNN: federated and DP-SGD trainings
+CENTRAL_CHECKPOINTS = "central"  # checkpoints/central-NNNNNNN: central fine-tuning's
+
+
 def _save_step_checkpoint(p: Prepared, step: int, tensors: dict, meta: dict) -> None:
     """A training's checkpoint after `step` steps, with what every one carries (the config hash,
-    the run's elapsed time); older ones pruned."""
-    path = p.run_dir / "checkpoints" / f"step-{step:07d}.safetensors"
-    meta = {"step": step, **meta, "config_hash": p.config_hash, "inputs": p.inputs}
+    the run's inputs and setup, its elapsed time); older ones pruned."""
+    path = step_checkpoint(p.run_dir / "checkpoints", STEP_CHECKPOINTS, step)
+    meta = {"step": step, **meta, **_checkpoint_carry(p)}
     meta[ELAPSED] = p.elapsed.seconds()
     save_checkpoint(path, tensors, meta)
-    prune_checkpoints(p.run_dir, path)
+    prune_checkpoints(path.parent, STEP_CHECKPOINTS, path)
+
+
+def _checkpoint_carry(p: Prepared) -> dict:
+    """What every checkpoint of a run carries, for _check_resumable."""
+    return {"config_hash": p.config_hash, "inputs": p.inputs, "setup": _setup(p)}
+
+
+def _setup(p: Prepared) -> dict:
+    """What a resumed run must run on to continue the same computation: the device type (a CUDA
+    generator draws other numbers than a CPU one), on a CPU the thread count (kernels split their
+    sums by it) and, with client groups, the processes (fl.parallel: the groups depend on them)."""
+    device = torch.device(p.device).type
+    return {
+        "device": device,
+        "cpu_threads": torch.get_num_threads() if device == "cpu" else None,
+        "processes": p.ctx.world_size if p.options.parallel_clients > 1 else None,
+    }
+
+
+def _check_resumable(p: Prepared, meta: dict) -> None:
+    """Refuse to resume from a checkpoint (its `meta`) made on other inputs or another setup: one
+    record would mix two runs. Checkpoints from before a field was stored skip its check."""
+    run_dir = p.run_dir
+    began = meta.get("inputs")
+    if began is not None and began != p.inputs:
+        changed = [
+            f"{part} {name}"
+            for part in ("data", "plugins")
+            for name in sorted(set(began.get(part, {})) | set(p.inputs[part]))
+            if began.get(part, {}).get(name) != p.inputs[part].get(name)
+        ]
+        raise UserError(
+            f"{run_dir} began on other inputs than it would resume on ({', '.join(changed)} "
+            "changed since its last checkpoint): one record would mix two runs. Restore them, "
+            "or start the run again in a new folder"
+        )
+    how = {
+        "device": "--device",
+        "cpu_threads": "OMP_NUM_THREADS (torch.set_num_threads)",
+        "processes": "torchrun --nproc-per-node",
+    }
+    setup = _setup(p)
+    for key, was in (meta.get("setup") or {}).items():
+        if was != setup.get(key):
+            raise UserError(
+                f"{run_dir} was run with {key.replace('_', ' ')} {was}, this process has "
+                f"{setup.get(key)}: the resumed run would not continue the same computation. "
+                f"Resume it with the same ({how[key]})"
+            )
 
 
 def _latest_state(p: Prepared) -> tuple[dict | None, dict]:
     """The latest step checkpoint's tensors and metadata, (None, {}) before the first; the run's
     clock continues from it."""
     run_dir, options = p.run_dir, p.options
-    checkpoint = latest_checkpoint(run_dir)
+    checkpoint = latest_checkpoint(run_dir / "checkpoints", STEP_CHECKPOINTS)
     if checkpoint is None:
         return None, {}
     tensors, meta = load_checkpoint(checkpoint)
@@ -344,19 +404,7 @@ def _latest_state(p: Prepared) -> tuple[dict | None, dict]:
             f"{run_dir} was run with the local step {was or 'eager'}; resume it the same way"
             f" (`--compile`: inductor), not {now or 'eager'}"
         )
-    began = meta.get("inputs")  # None: a checkpoint from before inputs were stored
-    if began is not None and began != p.inputs:
-        changed = [
-            f"{part} {name}"
-            for part in ("data", "plugins")
-            for name in sorted(set(began.get(part, {})) | set(p.inputs[part]))
-            if began.get(part, {}).get(name) != p.inputs[part].get(name)
-        ]
-        raise UserError(
-            f"{run_dir} began on other inputs than it would resume on ({', '.join(changed)} "
-            "changed since its last checkpoint): one record would mix two runs. Restore them, "
-            "or start the run again in a new folder"
-        )
+    _check_resumable(p, meta)
     p.elapsed.resume(meta)
     return tensors, meta
 
@@ -365,10 +413,10 @@ def fine_tune_central(p: Prepared) -> Outcome | None:
     """The paper's central row: the seed model fine-tuned on the pooled federated training data
     (recipe.fine_tune, else the seed model's schedule; no FL, no clipping, no noise), resuming
     from run_dir/checkpoints after a kill."""
-    from pflbench.central import train_central
+    from pflbench.central import CentralCheckpoints, train_central
 
     seed_summary = _check_one_process(p)
-    train_central(
+    stats = train_central(
         p.model,
         p.data.federated_train,
         p.config.recipe.fine_tune or p.config.recipe.central,
@@ -376,9 +424,18 @@ def fine_tune_central(p: Prepared) -> Outcome | None:
         device=p.device,
         seed=keyed_seed(p.config.seed, "fine-tune"),
         progress=p.options.progress,
-        resume_dir=p.run_dir / "checkpoints",
+        checkpoints=CentralCheckpoints(
+            p.run_dir / "checkpoints",
+            CENTRAL_CHECKPOINTS,
+            every=p.options.checkpoint_every,
+            stop_after=p.options.stop_after,
+            carry=_checkpoint_carry(p),
+            check_resume=lambda meta: _check_resumable(p, meta),
+        ),
         elapsed=p.elapsed,
     )
+    if stats is None:  # stopped by stop_after
+        return None
     return _evaluated_as_is(p, seed_summary)
 
 
