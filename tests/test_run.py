@@ -25,7 +25,7 @@ from pflbench.errors import UserError
 from pflbench.fl.distributed import DistContext
 from pflbench.fl.simulator import Simulator
 from pflbench.model.transformer import build_model
-from pflbench.numerics import NUMERIC_PACKAGES
+from pflbench.numerics import NUMERIC_PACKAGES, NUMERICS_VERSION
 from pflbench.results.schema import compute_record_id, load_record
 from pflbench.runner import RunOptions, run
 from pflbench.spec.models import Recipe
@@ -266,6 +266,29 @@ def test_resuming_on_another_thread_count_or_device_is_refused(env, tmp_path, mo
         assert (run_dir / "DONE").exists()
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_seed_models_cached_summary_is_kept_per_numerics_version(
+    env, tmp_path, tiny_task_data, monkeypatch
+):
+    """Runs share the seed model's evaluation (cached beside it). Another numerics version scores
+    hypotheses otherwise, so its runs must not take this one's summary: the cache used to be keyed
+    by the eval data alone, and numerics v3's records filed v2's seed-model CER."""
+    import pflbench.evaluate as evaluate
+
+    config = _config(env, "perlayer-dim")
+    seed_path = tmp_path / "seed.safetensors"
+    model = build_model("tiny", tiny_task_data.tokenizer.size)
+    first = evaluate.seed_model_summary(model, tiny_task_data, config, "cpu", seed_path)
+    (cache,) = tmp_path.glob("eval-*.json")
+    marked = json.loads(json.dumps({**first, "marker": True}))  # returned as it is stored
+    cache.write_text(json.dumps(marked))
+    again = evaluate.seed_model_summary(model, tiny_task_data, config, "cpu", seed_path)
+    assert again == marked
+    # raising=False: without the key the patched name changes nothing and the assert below fails
+    monkeypatch.setattr(evaluate, "NUMERICS_VERSION", NUMERICS_VERSION + 1, raising=False)
+    other = evaluate.seed_model_summary(model, tiny_task_data, config, "cpu", seed_path)
+    assert other == first and len(list(tmp_path.glob("eval-*.json"))) == 2
 
 
 def check_resumed_wall_counts_both_processes(config, run_dir: Path) -> None:

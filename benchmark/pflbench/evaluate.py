@@ -35,6 +35,7 @@ from pflbench import __version__
 from pflbench.data.batching import chunks, collate, dynamic_batches
 from pflbench.files import atomic_write_text
 from pflbench.model.transformer import CTCTransformer, greedy_decode
+from pflbench.numerics import NUMERICS_VERSION
 from pflbench.spec.resolve import canonical_json
 
 
@@ -232,9 +233,17 @@ def eval_summary(results: dict) -> dict:
 
 def seed_model_summary(model, data, config, device: str, seed_path) -> dict:
     """The starting model's dev/test summary. Every run of a task starts from the same seed
-    model, so its evaluation is cached next to the checkpoint, keyed by the eval sets' data."""
+    model, so its evaluation is cached next to the checkpoint, keyed by the eval sets' data and
+    by what else decides the numbers: the numerics version (how hypotheses are scored) and the
+    device type (CUDA evaluates under bf16 autocast). A key without them let a run of numerics v3
+    file the seed model's CER as v2 had scored it."""
     eval_sets = {e.name: [e.role, data.eval_sets[e.name].digest] for e in config.task.eval_sets}
-    key = canonical_json({"pflbench": __version__, "eval_sets": eval_sets, "summary": "p50"})
+    key = canonical_json(
+        {
+            "pflbench": __version__, "numerics": NUMERICS_VERSION,
+            "device": torch.device(device).type, "eval_sets": eval_sets, "summary": "p50",
+        }
+    )  # fmt: skip
     cache = None
     if seed_path is not None:
         cache = Path(seed_path).with_name(
