@@ -36,9 +36,10 @@ MIN_SAMPLE_RATE, MAX_SAMPLE_RATE = 4_000, 192_000
 # unsegmented talk lasts minutes: a declared hour is a corrupt header, and reading it would
 # allocate from the claim (an hour of 48 kHz stereo float32 is 1.4 GB).
 MAX_SECONDS = 3_600
-# Float files store samples unscaled, and a float mix may well exceed 1.0; the features are
-# normalized per utterance, so any scale up to an unscaled int32 file's gives the same features.
-# Beyond that no scaling makes the values samples (1e30 overflows the log-mel power to inf).
+# Float files store samples unscaled, and a float mix may well exceed 1.0: any scale up to an
+# unscaled int32 file's is a recording (the features are normalized per utterance, so a louder
+# copy differs only where its quiet bins meet the log floor). Beyond that no scaling makes the
+# values samples (1e30 overflows the log-mel power to inf).
 MAX_ABS_SAMPLE = 2.0**31
 
 WAV_FORMATS = {"WAV", "WAVEX", "RF64"}  # libsndfile's names of RIFF WAVE files
