@@ -529,6 +529,29 @@ def test_submit_refuses_a_claim_at_another_n_or_b(dp_run, specs_dir, data, tmp_p
         submit(copy_dir, tmp_path / "results", load_registry([specs_dir]), data=data)
 
 
+def test_submit_refuses_more_noise_than_the_budget_prescribes(dp_run, specs_dir, data, tmp_path):  # noqa: F811
+    """z doubled and the claim restated for it by pflbench's own statement (so every ε in it is
+    right for that z, and lower than the run's): the run added the budget's z, so it is refused."""
+    run_dir, config = dp_run
+    raw = json.loads((run_dir / "record.json").read_text())
+    simulated = raw["privacy"]["simulated"]
+    examples, batch, steps = simulated["population"], simulated["cohort"], simulated["steps"]
+    recipe = config.recipe
+    clipping = f"per layer, C_h by {recipe.privacy.perlayer_mode}"
+    forged = example_statement(
+        2 * simulated["noise_multiplier"], recipe.privacy.clip_bound, clipping, examples, batch,
+        steps, config.budget,
+    )  # fmt: skip
+    assert forged["simulated"]["epsilon"]["opacus-rdp"]["epsilon"] < config.budget.epsilon / 2
+    tampered = {**copy.deepcopy(raw), "privacy": forged}
+    tampered["record_id"] = compute_record_id(tampered)
+    copy_dir = tmp_path / "tampered"
+    shutil.copytree(run_dir, copy_dir)
+    (copy_dir / "record.json").write_text(json.dumps(tampered))
+    with pytest.raises(UserError, match=r"privacy.sigma_dp is .* but budget .* prescribes z ="):
+        submit(copy_dir, tmp_path / "results", load_registry([specs_dir]), data=data)
+
+
 def test_the_leaderboard_labels_the_epsilon_per_example(dp_run, specs_dir):  # noqa: F811
     run_dir, config = dp_run
     record, _ = load_record(run_dir / "record.json")

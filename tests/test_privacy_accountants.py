@@ -233,10 +233,10 @@ def test_statement_at_simulated_and_extrapolated_scale():
     pld, rdp = extrapolated["epsilon"]["pld"]["epsilon"], extrapolated["epsilon"]["rdp"]["epsilon"]
     assert pld <= rdp
     assert "fixed-size" in statement["how"] and "Extrapolated" in statement["how"]
-    # a fixed-size run says which assumption its epsilon rests on; a Poisson run needs none
-    assert "rely on the assumption" in statement["how"]
+    # a fixed-size statement says its epsilons do not cover fixed cohorts; a Poisson one is plain
+    assert "do not cover fixed cohorts" in statement["how"]
     poisson = privacy_statement(3e-6, 0.01, 1024, 34_753, 2006, DELTA, "poisson", HIGH_POP)
-    assert "assumption" not in poisson["how"]
+    assert "fixed" not in poisson["how"]
 
 
 def test_statement_without_noise_says_no_dp():

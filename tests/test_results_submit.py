@@ -290,6 +290,22 @@ def test_a_claim_of_more_noise_than_the_budget_prescribes_is_refused(tmp_path, r
     )
 
 
+def test_a_dp_record_of_fixed_size_cohorts_is_refused(tmp_path, registry, dp_record):
+    """The accountants analyse Poisson sampling; a fixed cohort is not covered (a user added to
+    it displaces another: the sum moves by up to 2C). The whole claim is pflbench's own statement
+    for the config, so only the sampling rule refuses it."""
+    record = copy.deepcopy(dp_record)
+    record["config"]["recipe"]["federated"]["sampling"] = "fixed"  # as --set gives it
+    record["config"]["overrides"] = {"federated.sampling": "fixed"}
+    config = RunConfig.model_validate(record["config"])
+    sigma_dp, population = (
+        record["privacy"]["sigma_dp"],
+        record["privacy"]["simulated"]["population"],
+    )
+    record["privacy"] = privacy_claim(config, sigma_dp, population)
+    refused(tmp_path, registry, finalize(record), "fixed-size cohorts under DP budget 'fx-dp'")
+
+
 def test_privacy_claim_with_wrong_noise_multiplier(tmp_path, registry, dp_record):
     record = copy.deepcopy(dp_record)
     record["privacy"]["sigma_dp"] *= 2  # claims more noise than its ε numbers used

@@ -26,6 +26,7 @@ from pflbench.fl.distributed import DistContext
 from pflbench.fl.simulator import Simulator
 from pflbench.model.transformer import build_model
 from pflbench.numerics import NUMERIC_PACKAGES, NUMERICS_VERSION
+from pflbench.privacy.run import check_run_privacy
 from pflbench.results.schema import compute_record_id, load_record
 from pflbench.runner import RunOptions, run
 from pflbench.spec.models import Recipe
@@ -121,6 +122,18 @@ def test_each_baseline_writes_a_valid_record(env, tmp_path, baseline):
         assert 0 < epsilons[0] < epsilons[1] < epsilons[2]
     else:
         assert epsilons == [None, None, None]
+
+
+def test_a_dp_budget_refuses_fixed_size_cohorts_before_training(env, tmp_path):
+    """Fixed cohorts (and so client-side noise, which needs them) are not what the accountants
+    analyse: `run` refuses them under a DP budget before any step, and runs them without one."""
+    for sets in (["federated.sampling=fixed"],
+                 ["federated.sampling=fixed", "privacy.noise_placement=client"]):  # fmt: skip
+        config = _config(env, "perlayer-dim", "eps7.2-high-pop", sets)
+        with pytest.raises(UserError, match="fixed-size cohorts under DP budget"):
+            run(config, out_dir=tmp_path / "dp", options=RunOptions(progress=False))
+        assert not (tmp_path / "dp").exists()
+    check_run_privacy(_config(env, "perlayer-dim", "none", ["federated.sampling=fixed"]))
 
 
 @pytest.mark.parametrize("baseline", REFERENCE_ROWS)

@@ -50,6 +50,7 @@ def check_run_privacy(config: RunConfig) -> None:
         )
     check_audit(config.recipe)
     check_mechanism_recipe(config.recipe)
+    check_sampling_accountable(config, "federated.sampling")
     if config.budget.dp and config.recipe.privacy.clipping == "none":
         raise UserError(
             f"baseline {config.baseline.name!r} does not clip client updates "
@@ -62,6 +63,21 @@ def check_run_privacy(config: RunConfig) -> None:
     # The mechanism's noise for the budget: refused now where the mechanism cannot be accounted at
     # the budget's scale (BandMF with more bands than the extrapolated population allows).
     budget_noise(config.budget, privacy)
+
+
+def check_sampling_accountable(config: RunConfig, where: str) -> None:
+    """A DP budget needs Poisson cohorts: the accountants analyse Poisson sampling, and fixed-size
+    cohorts are not as private. Adding a user to a fixed cohort displaces another, so the noised
+    sum moves by up to 2C, not C: at eps7.2-synth-m-cohort-matched's scale the ε of one such pair
+    of neighbouring datasets is already ~60 (a rigorous lower bound), against the 7.2 claimed."""
+    if config.budget.dp and config.recipe.federated.sampling == "fixed":
+        raise UserError(
+            f"{where}: fixed-size cohorts under DP budget {config.budget.name!r}: the "
+            "accountants analyse Poisson sampling, and a fixed cohort is not covered (a user "
+            "added to it displaces another, so the noised sum moves by up to 2C, not C; its ε "
+            "can be several times the budget's). Use federated.sampling: poisson "
+            "(noise_placement: client needs fixed cohorts, so it cannot run under a DP budget)"
+        )
 
 
 def run_sigma_dp(config: RunConfig) -> float:

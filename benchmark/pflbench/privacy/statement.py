@@ -246,11 +246,9 @@ def how_sentence(
     if sampling == "fixed":
         text += (
             " The run sampled fixed-size cohorts (the paper's practice), but the accountants"
-            " analyse Poisson sampling: the epsilons above rely on the assumption that a"
-            " fixed-size cohort of S users drawn without replacement is as private as Poisson"
-            " sampling at q = S/K, which is not proven for this mechanism (the exact epsilon of"
-            " fixed-size sampling can be larger). Poisson sampling (sampling: poisson) is what"
-            " the stated epsilon covers exactly."
+            " analyse Poisson sampling at q = S/K, and the epsilons above do not cover fixed"
+            " cohorts: a user added to one displaces another, so the sum moves by up to 2C, and"
+            " the epsilon can be several times larger (a DP budget refuses fixed cohorts)."
         )
     return text
 

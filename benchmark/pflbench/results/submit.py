@@ -316,7 +316,7 @@ def check_record_privacy(
     hold the budget's accountant's against the budget, and require the σ_DP the budget
     prescribes."""
     from pflbench.privacy.mechanisms import mechanism_class
-    from pflbench.privacy.run import run_sigma_dp
+    from pflbench.privacy.run import check_sampling_accountable, run_sigma_dp
     from pflbench.privacy.statement import check_steps_within_budget
 
     if not budget.dp:
@@ -331,6 +331,7 @@ def check_record_privacy(
         check_example_privacy(privacy, config, budget, where)
         return
     recipe = config.recipe
+    check_sampling_accountable(config, where)
     check_steps_within_budget(recipe.federated.central_steps, budget, where, recipe.privacy)
     sigma_dp = privacy.get("sigma_dp")
     if not isinstance(sigma_dp, int | float) or not sigma_dp > 0:
@@ -416,7 +417,11 @@ def check_privacy_statement(privacy: dict | None, config: RunConfig, where: str)
 def check_example_privacy(privacy: dict, config: RunConfig, budget: Budget, where: str) -> None:
     """An example-level DP-SGD claim (privacy/example.py): unit example, the config's clip bound
     and steps, opacus' accountant of the budget recomputing the claimed ε for the claim's own
-    (z, q = B/N, T, δ), and that ε within the budget."""
+    (z, q = B/N, T, δ), that ε within the budget, and z the one the budget prescribes at that
+    (q, T), as the runner calibrates it."""
+    from pflbench.privacy.example import example_noise_multiplier
+    from pflbench.privacy.sampling import sampling_rate
+
     expected = {
         "unit": "example",
         "sampling": "poisson",
@@ -444,6 +449,15 @@ def check_example_privacy(privacy: dict, config: RunConfig, budget: Budget, wher
     fresh = _check_example_scale(claim, sigma_dp, budget.delta, where, budget.accountant)
     epsilon = fresh[budget.accountant]
     _check_within_budget(epsilon, budget, where, "simulated", budget.accountant, "per example")
+    batch, examples = claim["cohort"], claim["population"]
+    prescribed = example_noise_multiplier(budget, sampling_rate(examples, batch), steps)
+    if not _close(float(sigma_dp) * batch, prescribed, SIGMA_RTOL):
+        # More noise than the run added would pass every ε check above on its own.
+        raise UserError(
+            f"{where}: privacy.sigma_dp is {sigma_dp!r} (z = σ_DP·B = {sigma_dp * batch!r}), "
+            f"but budget {budget.name!r} prescribes z = {prescribed!r} for B = {batch}, "
+            f"N = {examples}, T = {steps} (what every run of it adds)"
+        )
 
 
 def _check_within_budget(
