@@ -504,52 +504,51 @@ def test_submit_refuses_a_tampered_epsilon(dp_run, specs_dir, data, tmp_path):  
         submit(copy_dir, tmp_path / "other", registry, data=data)
 
 
-@pytest.mark.parametrize("field", ["population", "cohort"])
-def test_submit_refuses_a_claim_at_another_n_or_b(dp_run, specs_dir, data, tmp_path, field):  # noqa: F811
-    """A claim for more examples N (or a smaller expected batch B) than the data hold, made by
-    pflbench's own calibration and statement (so every ε in it is right for its N and B), passes
-    every check of the record alone; the training data refuse it."""
+def forged_run(dp_run, tmp_path: Path, z: float, examples: int, batch: int) -> Path:
+    """A copy of the DP-SGD run whose claim is pflbench's own statement for (z, N, B): every ε in
+    it is right for those numbers, so only checks against the run itself can refuse it."""
     run_dir, config = dp_run
     raw = json.loads((run_dir / "record.json").read_text())
-    simulated = raw["privacy"]["simulated"]
-    examples, batch, steps = simulated["population"], simulated["cohort"], simulated["steps"]
-    examples, batch = (examples * 2, batch) if field == "population" else (examples, batch - 1)
-    z = example_noise_multiplier(config.budget, sampling_rate(examples, batch), steps)
-    recipe = config.recipe
-    clipping = f"per layer, C_h by {recipe.privacy.perlayer_mode}"
+    privacy = config.recipe.privacy
+    clipping = f"per layer, C_h by {privacy.perlayer_mode}"
+    steps = raw["privacy"]["simulated"]["steps"]
     forged = example_statement(
-        z, recipe.privacy.clip_bound, clipping, examples, batch, steps, config.budget
+        z, privacy.clip_bound, clipping, examples, batch, steps, config.budget
     )
     tampered = {**copy.deepcopy(raw), "privacy": forged}
     tampered["record_id"] = compute_record_id(tampered)
     copy_dir = tmp_path / "tampered"
     shutil.copytree(run_dir, copy_dir)
     (copy_dir / "record.json").write_text(json.dumps(tampered))
+    return copy_dir
+
+
+@pytest.mark.parametrize("field", ["population", "cohort"])
+def test_submit_refuses_a_claim_at_another_n_or_b(dp_run, specs_dir, data, tmp_path, field):  # noqa: F811
+    """A claim for more examples N (or a smaller expected batch B) than the data hold, made by
+    pflbench's own calibration and statement, passes every check of the record alone; the
+    training data refuse it."""
+    _, config = dp_run
+    simulated = load_record(dp_run[0] / "record.json")[0].privacy.simulated
+    examples, batch, steps = simulated.population, simulated.cohort, simulated.steps
+    examples, batch = (examples * 2, batch) if field == "population" else (examples, batch - 1)
+    z = example_noise_multiplier(config.budget, sampling_rate(examples, batch), steps)
+    forged = forged_run(dp_run, tmp_path, z, examples, batch)
     with pytest.raises(UserError, match=rf"privacy.simulated.{field} is .*, but the training data"):
-        submit(copy_dir, tmp_path / "results", load_registry([specs_dir]), data=data)
+        submit(forged, tmp_path / "results", load_registry([specs_dir]), data=data)
 
 
 def test_submit_refuses_more_noise_than_the_budget_prescribes(dp_run, specs_dir, data, tmp_path):  # noqa: F811
-    """z doubled and the claim restated for it by pflbench's own statement (so every ε in it is
-    right for that z, and lower than the run's): the run added the budget's z, so it is refused."""
-    run_dir, config = dp_run
-    raw = json.loads((run_dir / "record.json").read_text())
-    simulated = raw["privacy"]["simulated"]
-    examples, batch, steps = simulated["population"], simulated["cohort"], simulated["steps"]
-    recipe = config.recipe
-    clipping = f"per layer, C_h by {recipe.privacy.perlayer_mode}"
-    forged = example_statement(
-        2 * simulated["noise_multiplier"], recipe.privacy.clip_bound, clipping, examples, batch,
-        steps, config.budget,
-    )  # fmt: skip
-    assert forged["simulated"]["epsilon"]["opacus-rdp"]["epsilon"] < config.budget.epsilon / 2
-    tampered = {**copy.deepcopy(raw), "privacy": forged}
-    tampered["record_id"] = compute_record_id(tampered)
-    copy_dir = tmp_path / "tampered"
-    shutil.copytree(run_dir, copy_dir)
-    (copy_dir / "record.json").write_text(json.dumps(tampered))
+    """z doubled and the claim restated for it: every ε in it is right for that z, and lower
+    than the run's; the run added the budget's z, so it is refused."""
+    _, config = dp_run
+    simulated = load_record(dp_run[0] / "record.json")[0].privacy.simulated
+    z = 2 * simulated.noise_multiplier
+    forged = forged_run(dp_run, tmp_path, z, simulated.population, simulated.cohort)
+    claim = load_record(forged / "record.json")[0].privacy.simulated
+    assert claim.epsilon["opacus-rdp"].epsilon < config.budget.epsilon / 2
     with pytest.raises(UserError, match=r"privacy.sigma_dp is .* but budget .* prescribes z ="):
-        submit(copy_dir, tmp_path / "results", load_registry([specs_dir]), data=data)
+        submit(forged, tmp_path / "results", load_registry([specs_dir]), data=data)
 
 
 def test_the_leaderboard_labels_the_epsilon_per_example(dp_run, specs_dir):  # noqa: F811
