@@ -78,7 +78,7 @@ from pflbench.fl.user_state import UserStateStore
 from pflbench.model.transformer import ctc_loss
 from pflbench.privacy.aggregate import ExactSum
 from pflbench.privacy.noise import server_noise_std
-from pflbench.privacy.run import check_run_privacy, run_sigma_dp
+from pflbench.privacy.run import run_sigma_dp
 from pflbench.privacy.steps import AddServerNoise, ClipGlobal, MeasureNorms, ZeroNonfinite
 from pflbench.runner import prepare_data
 from pflbench.spec.registry import load_registry
@@ -106,9 +106,9 @@ def workload(dp: str, steps: int):
         "federated.server.decay.rate=1.0",
         f"federated.central_steps={steps}",
     ]
-    config = resolve(registry, TASK, CONFIGS[dp], budget, RUN_SEED, sets)
-    check_run_privacy(config)
-    return config
+    # Fixed cohorts give both systems the same users each step. `run` refuses them under a DP
+    # budget (their ε is not Poisson's); this compares speed and claims no ε.
+    return resolve(registry, TASK, CONFIGS[dp], budget, RUN_SEED, sets)
 
 
 def task_start(config):
