@@ -21,10 +21,10 @@ from pflbench.results.leaderboard import (
     fmt_wer,
     load_result_files,
     load_results,
-    reevaluated_ids,
     render_leaderboard,
 )
 from pflbench.results.schema import compute_record_id, schema_json
+from pflbench.results.verify import reevaluated_ids
 from pflbench.spec.models import Budget
 from pflbench.spec.registry import load_registry
 from pflbench.spec.resolve import config_json_hash, resolve
@@ -172,8 +172,11 @@ def test_the_checked_column_says_how_far_each_rows_wer_was_recomputed(tmp_path):
     stamp_dir.mkdir()
     (stamp_dir / VERIFICATION_FILE).write_text("{}")
     assert [r for _, r, _ in load_result_files(root)] == records
-    reevaluated = reevaluated_ids(load_result_files(root))
-    assert reevaluated == {fedavg[0][1].record_id}
+    # A file of the stamp's name is not a stamp: "re-evaluated" needs one that names the record
+    # (test_results_verify files a real one).
+    with pytest.raises(UserError, match="verification.json"):
+        reevaluated_ids(load_result_files(root))
+    reevaluated = {fedavg[0][1].record_id}
     text = render_leaderboard(records, VERSIONS, BUDGETS, reevaluated=reevaluated)
     checked = {  # record ids -> checked, per ranked row
         line.split(" | ")[-4]: line.split(" | ")[-1].rstrip(" |")

@@ -19,11 +19,18 @@ from test_run import TASK, specs_dir  # noqa: F401  (fixture)
 from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
 from pflbench.privacy.run import privacy_claim
-from pflbench.results.leaderboard import load_result_files, reevaluated_ids, render_leaderboard
+from pflbench.results.leaderboard import load_result_files, render_leaderboard
 from pflbench.results.rescore import DataOptions, rescored
 from pflbench.results.schema import compute_record_id, load_record
 from pflbench.results.submit import submit
-from pflbench.results.verify import TOLERANCE, EvalFigures, check_figures, recheck_filed, verify_run
+from pflbench.results.verify import (
+    TOLERANCE,
+    EvalFigures,
+    check_figures,
+    recheck_filed,
+    reevaluated_ids,
+    verify_run,
+)
 from pflbench.rundir import HYPOTHESES_DIR, hypotheses_file, read_hypotheses, write_hypotheses
 from pflbench.runner import RunOptions, run
 from pflbench.spec.models import RunConfig
@@ -158,6 +165,26 @@ def test_a_forged_final_point_of_the_history_is_refused(honest_run, tmp_path, re
     with pytest.raises(UserError, match=r"metrics.history\[\d+\].wer is .* in the record"):
         submit(run_dir, tmp_path / "results", registry, data=data)
     assert len({point["step"] for point in history}) == 2  # an intermediate evaluation, kept
+
+
+def test_a_history_point_after_the_final_evaluation_is_refused(
+    honest_run, tmp_path, registry, data
+):
+    """One eval set's true final figures at a step after the last one would make that step the
+    "final" evaluation, and the other eval sets' real final points (edited) go unchecked."""
+    run_dir = copy_run(honest_run, tmp_path)
+
+    def sidestep(raw: dict) -> None:
+        history = raw["metrics"]["history"]
+        last = max(point["step"] for point in history)
+        final = [point for point in history if point["step"] == last]
+        history.append({**final[0], "step": last + 1})  # true figures, one eval set only
+        final[1]["wer"] /= 2  # another eval set's final point, forged
+
+    rewrite_record(run_dir, sidestep)
+    with pytest.raises(UserError, match=r"metrics.history's last step \(\d+\) evaluates"):
+        submit(run_dir, tmp_path / "results", registry, data=data)
+    assert not (tmp_path / "results").exists()
 
 
 def test_a_tampered_hypotheses_file_is_refused(honest_run, tmp_path, registry, data):

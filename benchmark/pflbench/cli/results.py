@@ -202,9 +202,9 @@ def register(app: typer.Typer) -> None:
         from pflbench.results.leaderboard import (
             leaderboard_is_current,
             load_result_files,
-            reevaluated_ids,
             render_leaderboard,
         )
+        from pflbench.results.verify import reevaluated_ids
 
         registry = _registry(specs, plugins)
         files = load_result_files(results)

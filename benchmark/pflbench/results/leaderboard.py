@@ -386,11 +386,6 @@ def fmt_checked(row: Row, reevaluated: set[str]) -> str:
     return ", ".join(f"{n} {status}" for status, n in sorted(counts.items()))
 
 
-def reevaluated_ids(files: list[tuple[Path, ResultRecord, dict]]) -> set[str]:
-    """Records filed with a verification stamp (CI's `pflbench results rescore` checks it)."""
-    return {r.record_id for path, r, _ in files if (filed_dir(path) / VERIFICATION_FILE).is_file()}
-
-
 def render_table(
     rows: list[Row],
     columns: list[str],
@@ -512,7 +507,8 @@ def render_leaderboard(
     reevaluated: set[str] | None = None,
 ) -> str:
     """sections: extra markdown appended to a task's section (the validity report);
-    reevaluated: ids of records filed with a verification stamp (`reevaluated_ids`)."""
+    reevaluated: ids of records filed with a verification stamp that agrees with them
+    (verify.reevaluated_ids)."""
     task_versions, budgets, sections = task_versions or {}, budgets or {}, sections or {}
     by_task: dict[str, list[ResultRecord]] = {}
     for record in records:

@@ -157,6 +157,14 @@ def rescore_record(
             )
     audio_only = check_eval_data(record, data, where)
     final_step = max((h.step for h in record.metrics.history), default=None)
+    at_final = sorted(h.eval_set for h in record.metrics.history if h.step == final_step)
+    if final_step is not None and at_final != names:
+        # The last step's points are the final evaluation, checked below: one point there for
+        # some eval sets only would leave the others' final points unchecked.
+        raise UserError(
+            f"{where}: metrics.history's last step ({final_step}) evaluates {at_final}, but the "
+            f"final evaluation is of every eval set once: {names}"
+        )
     for eval_set in eval_sets:
         name = eval_set.name
         path = hypotheses_file(folder, name)

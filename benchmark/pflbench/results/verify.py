@@ -258,6 +258,19 @@ def check_filed_stamp(record: ResultRecord, folder: Path, where: str) -> None:
         check_stamp(load_stamp(path), record, f"{path} (of {where})")
 
 
+def reevaluated_ids(files: list[tuple[Path, ResultRecord, dict]]) -> set[str]:
+    """Records filed with a verification stamp, each stamp checked against its record first
+    (check_filed_stamp): the leaderboard's "re-evaluated" needs a stamp that names the record's
+    final model and figures, not only a file of that name."""
+    found = set()
+    for path, record, _ in files:
+        folder = filed_dir(path)
+        if (folder / VERIFICATION_FILE).is_file():
+            check_filed_stamp(record, folder, str(path))
+            found.add(record.record_id)
+    return found
+
+
 # ----------------------------------------------------------------------------------------------
 # Filed records (CI: `pflbench results rescore`)
 
