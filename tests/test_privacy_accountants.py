@@ -3,13 +3,15 @@ trips, PLD <= RDP, budgets and statements."""
 
 import json
 import math
+import warnings
 
+import numpy as np
 import pytest
 
 from pflbench.errors import UserError
 from pflbench.privacy.accountants import ACCOUNTANTS, calibrate_noise, compute_epsilon
 from pflbench.privacy.accounting import SampledGaussian, sampled_gaussian
-from pflbench.privacy.rdp import RDP_ORDERS, rdp_epsilon
+from pflbench.privacy.rdp import RDP_ORDERS, one_step_rdp, rdp_epsilon
 from pflbench.privacy.statement import budget_noise, privacy_statement
 from pflbench.spec.models import Budget
 
@@ -142,6 +144,23 @@ def test_no_subsampling_matches_the_gaussian_rdp_curve():
         rdp + math.log((alpha - 1) / alpha) - (math.log(1e-5) + math.log(alpha)) / (alpha - 1)
     )
     assert eps == pytest.approx(expected) and order == alpha
+
+
+@pytest.mark.parametrize(("z", "q"), [(0.3, 16 / 1200), (1.0, 0.003), (0.05, 0.5), (2.0, 1.0)])
+def test_rdp_from_the_cached_one_step_curve_is_opacus_own_bit_for_bit(z, q):
+    # A run's ε after each step reuses one step's curve; it must be what opacus computes for T
+    # steps at once (the statement's and the metrics' ε are compared as numbers).
+    from opacus.accountants.analysis import rdp as opacus_rdp
+
+    grid = np.array(RDP_ORDERS, dtype=float)
+    for steps in (1, 2, 7, 120, 2034):
+        curve = opacus_rdp.compute_rdp(q=q, noise_multiplier=z, steps=steps, orders=grid)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            expected = opacus_rdp.get_privacy_spent(orders=grid, rdp=curve, delta=1e-9)
+        assert rdp_epsilon(z, q, steps, 1e-9) == tuple(map(float, expected))
+    with pytest.raises(ValueError, match="read-only"):
+        one_step_rdp(z, q)[0] = 0.0  # the cache's curve cannot be changed by a caller
 
 
 @pytest.mark.parametrize(("accountant", "target"), [("rdp", 7.2), ("rdp", 0.5), ("pld", 4.5)])
