@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -145,6 +146,35 @@ def test_styles_are_distinct_and_legends_lie_outside_the_data(tmp_path, paper_re
             for ax in fig.axes:
                 assert not box.overlaps(ax.get_window_extent()), stem
         plt.close(fig)
+
+
+def test_each_panel_fits_its_own_data_and_a_long_x_label_stays_in_the_figure(specs):
+    """A diverged method in one panel (server-adagrad near 100% WER) must not stretch the other
+    panels' y axes over its range; a long x label wraps inside the figure, clear of the legend."""
+    records = [r for r in load_results(REPO / "results") if r.kind == "run"]
+    figures, _ = _figures(records, specs)
+    figure = figures["synth-cv-en-ls-seed-wer-vs-epsilon"]
+    fig = draw(figure)
+    for ax, panel in zip(fig.axes, figure.data["panels"], strict=True):
+        points = [p for s in panel["series"] for p in s["points"]]
+        low = min(p[2] if p[2] is not None else p[1] for p in points)
+        high = max(p[3] if p[3] is not None else p[1] for p in points)
+        bottom, top = ax.get_ylim()
+        assert top - bottom <= 1.25 * (high - low), panel["title"]  # matplotlib's 5% margins
+    plt.close(fig)
+
+    single = figures["synth-cv-en-ls-seed-server-optimizers"]
+    words = "where several server lrs ran, the one with the lowest dev WER, as Table 9 chose"
+    long = dataclasses.replace(single, data={**single.data, "xlabel": f"{words}; {words}"})
+    fig = draw(long)
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    label = ax.xaxis.label.get_window_extent()
+    whole = fig.get_window_extent()
+    assert whole.x0 <= label.x0 and label.x1 <= whole.x1 and whole.y0 <= label.y0
+    assert "\n" in ax.get_xlabel()
+    assert not ax.get_legend().get_window_extent().overlaps(label)
+    plt.close(fig)
 
 
 def test_the_server_optimizer_figure_draws_the_setting_validity_chose(specs):

@@ -31,7 +31,7 @@ from pflbench.spec.models import Budget
 from pflbench.spec.names import safe_name
 from pflbench.spec.resolve import canonical_json
 
-FIGURES_VERSION = 1  # bump when the drawing changes, so that every figure is drawn again
+FIGURES_VERSION = 2  # bump when the drawing changes, so that every figure is drawn again
 MANIFEST = "figures.json"  # in the figures folder: figure -> task, title, digest
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "<", ">")
 PALETTE = (  # matplotlib's tab10

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -96,10 +97,17 @@ def draw_categorical(figure: Figure) -> plt.Figure:
     data = figure.data
     panels, categories = data["panels"], data["categories"]
     ratios = [max(len(p["series"]), 3) * max(len(categories), 2) for p in panels]
+    width = min(2.0 + 0.55 * sum(ratios), 17.0)
+    # Each panel its own y range: one diverged method (a server optimizer near 100% WER) would
+    # otherwise squeeze another panel's few-point differences, the ones its question is about.
     fig, axes = plt.subplots(
-        1, len(panels), figsize=(min(2.0 + 0.55 * sum(ratios), 17.0), 6.5), dpi=DPI,
-        layout="constrained", sharey=True, squeeze=False, width_ratios=ratios,
+        1, len(panels), figsize=(width, 6.5), dpi=DPI,
+        layout="constrained", squeeze=False, width_ratios=ratios,
     )  # fmt: skip
+    xlabel = _wrapped(data["xlabel"], width)
+    # A one-panel figure's x label lies between the axes and the legend: each extra line of it
+    # moves the legend down (about 0.05 of the axes' height), so the two do not overlap.
+    below = 0.1 + (0.05 * xlabel.count("\n") if len(panels) == 1 else 0.0)
     for ax, panel in zip(axes[0], panels, strict=True):
         series = panel["series"]
         for i, s in enumerate(series):
@@ -110,14 +118,20 @@ def draw_categorical(figure: Figure) -> plt.Figure:
         ax.set_xticks(range(len(categories)), categories, fontsize="small")
         ax.set_xlim(-0.6, len(categories) - 0.4)
         ax.set(title=panel["title"] if len(panels) > 1 else None)
-        ax.set(xlabel=data["xlabel"] if len(panels) == 1 else None)
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.1), ncols=2, fontsize="small",
+        ax.set(xlabel=xlabel if len(panels) == 1 else None)
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -below), ncols=2, fontsize="small",
                   frameon=False, title=_ci_title(panels) if ax is axes[0][0] else None,
                   title_fontsize="x-small")  # fmt: skip
     axes[0][0].set_ylabel(data["ylabel"])
     if len(panels) > 1:
-        fig.supxlabel(data["xlabel"], fontsize="medium")
+        fig.supxlabel(xlabel, fontsize="medium")
     return fig
+
+
+def _wrapped(label: str, width_inches: float) -> str:
+    """`label` in lines that fit a figure `width_inches` wide (medium font: ~11 characters an
+    inch), so that a long axis label is not cut off at the figure's edges."""
+    return "\n".join(textwrap.wrap(label, max(20, int(width_inches * 11))))
 
 
 def draw_lines(figure: Figure) -> plt.Figure:
