@@ -237,7 +237,7 @@ def test_stale_rows_are_marked_and_pair_only_with_stale_partners():
     from pflbench.results.figures import group_figures
     from pflbench.results.leaderboard import group_rows
 
-    wer, gap = group_figures(group_rows(dp + base + now_dp + now_base), "fx-task", BUDGETS)
+    wer, gap = group_figures(group_rows(dp + base + now_dp + now_base), "fx-task", BUDGETS, {})
     labels = [series["label"] for series in wer.data["series"]]
     assert len(labels) == len(set(labels))
     assert [series["values"]["accent"] for series in gap.data["series"]] == [[16.0, 4.0]]

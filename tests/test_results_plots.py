@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ from pflbench.cli import app
 from pflbench.errors import UserError
 from pflbench.results.export import export_parquet
 from pflbench.results.figures import MANIFEST, all_result_figures, first_of, stale_figures
+from pflbench.results.groups import AGES, in_natural_order
 from pflbench.results.leaderboard import Row, load_results
 from pflbench.results.plots import draw, plot_results, plot_run
 from pflbench.results.sweep import (
@@ -175,6 +177,32 @@ def test_each_panel_fits_its_own_data_and_a_long_x_label_stays_in_the_figure(spe
     assert "\n" in ax.get_xlabel()
     assert not ax.get_legend().get_window_extent().overlaps(label)
     plt.close(fig)
+
+
+def test_group_figures_put_ages_youngest_first(specs):
+    assert in_natural_order(["fifties", "fourties", "teens", "thirties", "twenties"]) == [
+        "teens", "twenties", "thirties", "fourties", "fifties"]  # fmt: skip
+    assert in_natural_order(["male", "female", "teens"]) == ["teens", "female", "male"]
+    records = [r for r in load_results(REPO / "results") if r.kind == "run"]
+    figures, _ = _figures(records, specs)
+    ages = figures["synth-cv-en-ls-seed-group-wer"].data["attributes"]["age"]
+    assert len(ages) >= 3 and ages == sorted(ages, key=AGES.index)
+
+
+def test_the_group_figure_shows_the_anchors_and_the_default_budgets_methods(specs):
+    """Of more rows than it can show, the per-group figure keeps the no-DP anchors and the
+    methods under the task's default budget, not the rows whose names sort first."""
+    task = "synth-cv-en-ls-seed"
+    default = load_registry().tasks[task].spec.budgets[0]
+    records = [r for r in load_results(REPO / "results") if r.kind == "run"]
+    figures, _ = _figures(records, specs)
+    labels = [s["label"] for s in figures[f"{task}-group-wer"].data["series"]]
+    for anchor in ("seed-only", "fedavg", "central"):
+        assert any(label.startswith(f"{anchor} / none") for label in labels), labels
+    method = re.compile(rf"perlayer-dim( \(rule: clip\))? / {re.escape(default)} ")
+    assert any(method.match(label) for label in labels), labels
+    gaps = [s["label"] for s in figures[f"{task}-group-dp-gap"].data["series"]]
+    assert gaps[0].split(" / ")[1].startswith(default), gaps
 
 
 def test_the_server_optimizer_figure_draws_the_setting_validity_chose(specs):

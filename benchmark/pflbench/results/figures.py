@@ -22,7 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pflbench.errors import UserError
-from pflbench.results.groups import dp_pairs, group_eval_set, is_ranked, row_label, rows_with_groups
+from pflbench.results.groups import (
+    dp_pairs,
+    group_eval_set,
+    in_natural_order,
+    is_ranked,
+    row_label,
+    rows_with_groups,
+)
 from pflbench.results.leaderboard import Row, cohort_size, epsilon, group_rows, is_audit, is_dp
 from pflbench.results.schema import ResultRecord, record_numerics_version
 from pflbench.results.stats import row_interval
@@ -402,7 +409,7 @@ def result_figures(
         clipping_figure(rows, task, sets, budgets),
         cohort_figure(rows, task, sets, budgets),
         optimizer_figure(rows, task, sets, budgets, declared),
-        *group_figures(rows, task, budgets),
+        *group_figures(rows, task, budgets, declared),
         audit_figure(audits, task, skipped),
     ]
     figures = [item for item in made if isinstance(item, Figure)]
@@ -430,9 +437,11 @@ def test_sets(records: list[ResultRecord]) -> list[str]:
 MAX_GROUP_SERIES = 8  # more dot series than this cannot be told apart
 
 
-def group_figures(rows: list[Row], task: str, budgets) -> list[Figure | str]:
+def group_figures(rows: list[Row], task: str, budgets, declared: dict) -> list[Figure | str]:
     """Per-group WER (each attribute a panel, each ranked group a column, each row a series)
-    and DP's cost per group (group WER under the budget minus the no-DP partner's)."""
+    and DP's cost per group (group WER under the budget minus the no-DP partner's); at most
+    MAX_GROUP_SERIES rows each, chosen by `_group_series_rank`."""
+    default_budget = (declared.get(task) or [None])[0]  # a run without --budget gets this one
     eval_set = group_eval_set([r for row in rows for r in row.records])
     if eval_set is None:
         return [f"{task}-group-wer: no records with per-group WER"]
@@ -451,7 +460,7 @@ def group_figures(rows: list[Row], task: str, budgets) -> list[Figure | str]:
     for _, groups in found:
         for a, by_name in groups.items():
             ranked.setdefault(a, set()).update(n for n, v in by_name.items() if is_ranked(n, v))
-    attributes = {a: sorted(names) for a, names in sorted(ranked.items()) if names}
+    attributes = {a: in_natural_order(names) for a, names in sorted(ranked.items()) if names}
     out: list[Figure | str] = []
     for stem, series, ylabel in (
         (f"{task}-group-wer", wers, f"{eval_set} WER (%) of the group"),
@@ -460,8 +469,8 @@ def group_figures(rows: list[Row], task: str, budgets) -> list[Figure | str]:
         if not series:
             out.append(f"{stem}: no rows to draw")
             continue
-        series = sorted(series, key=lambda t: (-len(t[0].records), t[0].first.baseline,
-                                               t[0].first.budget))[:MAX_GROUP_SERIES]  # fmt: skip
+        series = sorted(series, key=lambda t: _group_series_rank(t[0], default_budget))
+        series = series[:MAX_GROUP_SERIES]
         data = {
             "ylabel": ylabel,
             "attributes": attributes,
@@ -482,6 +491,29 @@ def group_figures(rows: list[Row], task: str, budgets) -> list[Figure | str]:
         title = f"{task}: {ylabel.split(' (')[0]} per speaker group"
         out.append(Figure(stem, task, title, "groups", data))
     return out
+
+
+def _group_series_rank(row: Row, default_budget: str | None) -> tuple:
+    """Which rows a group figure shows first: plain configurations (no --set overrides); of
+    those the anchors without DP (seed-only, fedavg, central: what training does for each
+    group), then the methods under the task's default budget, then the rest; more seeds first,
+    then by family (the WER-vs-ε figure's panels) and name. Ranking by name alone filled the
+    figure with whatever sorted first (adaptive-*, bandmf-*) and left out fedavg."""
+    first = row.first
+    kind = family(first.baseline)
+    families = [name for name, _ in FAMILIES]
+    if first.budget == "none" and kind == "other":
+        place = 0
+    else:
+        place = 1 if first.budget == default_budget else 2
+    return (
+        bool(overrides_of(first)),
+        place,
+        -len(row.records),
+        families.index(kind) if kind in families else len(families),
+        first.baseline,
+        first.budget,
+    )
 
 
 def audit_figure(records: list[ResultRecord], task: str, skipped: list[str]) -> Figure | None:

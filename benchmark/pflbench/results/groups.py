@@ -18,6 +18,16 @@ from pflbench.spec.resolve import config_json_hash
 
 MIN_SPEAKERS = 5
 UNREPORTED = "unreported"
+# Common Voice's age labels (its own spelling "fourties"), youngest first: a figure's columns in
+# this order read as a trend, where alphabetical order (fifties, fourties, teens, ...) does not.
+AGES = ("teens", "twenties", "thirties", "fourties", "fifties", "sixties", "seventies",
+        "eighties", "nineties")  # fmt: skip
+
+
+def in_natural_order(names) -> list[str]:
+    """Group names in the order a reader expects: ages youngest first, others alphabetically
+    (after the ages, should an attribute mix both)."""
+    return sorted(names, key=lambda n: (AGES.index(n), "") if n in AGES else (len(AGES), n))
 
 
 @dataclass(frozen=True)
