@@ -366,6 +366,17 @@ def test_calibration_meets_the_budget_by_opacus_own_accountant(accountant):
     assert result.library_version == __import__("opacus").__version__
 
 
+@pytest.mark.parametrize(("z", "q"), [(0.5, 1e-4), (1.0, 0.003), (1.3, 0.05), (5.0, 0.7)])
+def test_the_rdp_epsilon_is_opacus_accountants_own_bit_for_bit(z, q):
+    # example_epsilon takes one step's curve from a cache instead of asking RDPAccountant for
+    # each T; the ε and order must still be what opacus' accountant reports.
+    for steps in (1, 3, 100, 1000):
+        theirs = RDPAccountant()
+        theirs.history = [(z, q, steps)]
+        ours = example_epsilon(z, q, steps, 1e-5, "opacus-rdp")
+        assert (ours.epsilon, ours.order) == theirs.get_privacy_spent(delta=1e-5)
+
+
 def test_example_budgets_cannot_be_mistaken_for_user_level_ones():
     from pflbench.methods import check_budget
     from pflbench.privacy.example import check_delta_below_one_over_n, check_example_recipe

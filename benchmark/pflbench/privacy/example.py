@@ -24,6 +24,7 @@ from importlib.metadata import version
 from pflbench.errors import UserError
 from pflbench.privacy import accountants
 from pflbench.privacy.accounting import EpsilonResult, SampledGaussian
+from pflbench.privacy.rdp import one_step_rdp
 from pflbench.privacy.sampling import sampling_rate
 from pflbench.spec.models import Budget, ExampleDPRecipe, Recipe
 
@@ -62,6 +63,7 @@ def example_epsilon(
     """ε of T steps of the Poisson(q)-subsampled Gaussian(z) by opacus' accountant `accountant`
     (its default orders or discretization, as opacus' PrivacyEngine reports it)."""
     from opacus.accountants import create_accountant
+    from opacus.accountants.analysis import rdp as privacy_analysis
 
     mechanism = check_example_accountant(accountant)
     SampledGaussian(noise_multiplier, q, steps).check()
@@ -72,8 +74,15 @@ def example_epsilon(
     with warnings.catch_warnings():  # opacus warns when the best order is at the grid's edge
         warnings.simplefilter("ignore")
         if mechanism == "rdp":
-            epsilon, order = counter.get_privacy_spent(delta=delta)
-            details = {"orders": list(counter.DEFAULT_ALPHAS)}
+            # What counter.get_privacy_spent computes (the sum of compute_rdp over its history,
+            # here one entry: one step's curve times T), from rdp.one_step_rdp's cache: the same
+            # numbers bit for bit, and a run's ε after each step costs one curve, not one per step.
+            alphas = counter.DEFAULT_ALPHAS
+            curve = one_step_rdp(float(noise_multiplier), float(q), tuple(alphas)) * int(steps)
+            epsilon, order = privacy_analysis.get_privacy_spent(
+                orders=alphas, rdp=curve, delta=delta
+            )
+            details = {"orders": list(alphas)}
         else:
             epsilon = counter.get_epsilon(delta=delta)
             details = {"eps_error": 0.01, "delta_error": delta / 1000, "bound": "upper"}
