@@ -1,5 +1,6 @@
-"""Decoding audio: cut-off WAV and Ogg copies, implausible headers and samples are skip reasons;
-whole files (streamed WAVs of unknown length among them) decode to libsndfile's samples."""
+"""Decoding audio: cut-off WAV, AIFF, W64, AU, NIST and Ogg copies, implausible headers and
+samples are skip reasons, containers whose cut-off copies cannot be told are refused; whole files
+(streamed WAVs and .au files of unknown length among them) decode to libsndfile's samples."""
 
 from __future__ import annotations
 
@@ -68,6 +69,44 @@ def test_cut_off_wav_is_truncated(
         decode_audio_bytes(data[: int(fraction * len(data))])
 
 
+# Containers whose cut-off copies libsndfile reads as whole, like WAV's: AIFF and AIFC (float),
+# Sony Wave64, Sun .au in both byte orders, NIST SPHERE (TIMIT's).
+CHUNKED_KINDS = [
+    ("AIFF", "PCM_16", "FILE"), ("AIFF", "FLOAT", "FILE"), ("W64", "PCM_16", "FILE"),
+    ("AU", "PCM_16", "FILE"), ("AU", "PCM_16", "LITTLE"), ("NIST", "PCM_16", "FILE"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("fraction", [0.15, 0.5, 0.9])
+@pytest.mark.parametrize(("container", "subtype", "endian"), CHUNKED_KINDS)
+def test_cut_off_aiff_w64_au_and_nist_are_truncated(
+    tmp_path: Path, container: str, subtype: str, endian: str, fraction: float
+) -> None:
+    data = write(tmp_path / "full.snd", SPEECH, format=container, subtype=subtype, endian=endian)
+    with sf.SoundFile(cut(tmp_path / "cut.snd", data, fraction)) as f:
+        assert f.frames < fraction * len(SPEECH) + 1  # libsndfile's count: the cut-off length
+    assert reason(tmp_path / "cut.snd") == "truncated_audio"
+    with pytest.raises(AudioError, match="truncated_audio"):
+        decode_audio_bytes(data[: int(fraction * len(data))])
+
+
+def test_au_of_unknown_data_size_is_not_truncated(tmp_path: Path) -> None:
+    """A .au written to a pipe declares its data size as all ones: read to the end."""
+    data = bytearray(write(tmp_path / "whole.au", SPEECH, format="AU", subtype="PCM_16"))
+    data[8:12] = struct.pack(">I", 0xFFFF_FFFF)
+    (tmp_path / "streamed.au").write_bytes(bytes(data))
+    wave, _ = read_audio_file(str(tmp_path / "streamed.au"))
+    np.testing.assert_array_equal(wave, sf.read(tmp_path / "whole.au", dtype="float32")[0])
+
+
+@pytest.mark.parametrize("container", ["VOC", "IRCAM", "PAF", "SVX"])
+def test_containers_whose_cut_off_copies_cannot_be_told_are_refused(
+    tmp_path: Path, container: str
+) -> None:
+    write(tmp_path / "whole.snd", SPEECH, format=container, subtype="PCM_16")
+    assert reason(tmp_path / "whole.snd") == "unsupported_audio_format"
+
+
 @pytest.mark.parametrize("fraction", [0.5, 0.9, 0.999])
 @pytest.mark.parametrize("subtype", ["VORBIS", "OPUS"])
 def test_cut_off_ogg_is_truncated(tmp_path: Path, subtype: str, fraction: float) -> None:
@@ -85,9 +124,9 @@ def test_ogg_cut_between_pages_is_truncated(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("container", "subtype", "endian"),
-    WAV_KINDS + [
+    WAV_KINDS + CHUNKED_KINDS + [
         ("OGG", "VORBIS", "FILE"), ("OGG", "OPUS", "FILE"), ("FLAC", "PCM_16", "FILE"),
-        ("MP3", "MPEG_LAYER_III", "FILE"),
+        ("MP3", "MPEG_LAYER_III", "FILE"), ("CAF", "PCM_16", "FILE"),
     ],
 )  # fmt: skip
 def test_whole_files_decode_as_libsndfile_reads_them(
