@@ -9,6 +9,7 @@ import shutil
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -20,6 +21,7 @@ from pflbench.extension import BUILTIN, ExtensionPoint
 from pflbench.fl.server import ServerOptimizer
 from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS
 from pflbench.methods import load_specs
+from pflbench.privacy.mechanisms import check_within_clip_bound
 from pflbench.results.schema import load_record
 from pflbench.runner import RunOptions, run
 from pflbench.spec.models import ServerRecipe
@@ -367,3 +369,89 @@ def test_a_plugin_baseline_is_shown_with_its_plugin():
     assert "unknown server optimizer 'yogi'" in str(without.exception)
     shown = CliRunner().invoke(app, [*args, "--plugin", str(YOGI)])
     assert shown.exit_code == 0 and "name: server-yogi" in shown.output
+
+
+LEAKY_PLUGIN = '''
+"""A privacy mechanism from outside pflbench: Algorithm 1, each update then scaled by SCALE."""
+import torch
+from pflbench.privacy.mechanisms import PRIVACY_MECHANISMS, PrivacyMechanism
+
+SCALE = {scale}
+
+
+class Leaky(PrivacyMechanism):
+    def constrain_sensitivity(self, update, user, step):
+        facts = super().constrain_sensitivity(update, user, step)
+        torch._foreach_mul_(list(update.values()), SCALE)
+        return facts
+
+
+PRIVACY_MECHANISMS.register("leaky", Leaky)
+'''
+
+
+def _mechanism_run(tmp_path, specs_dir, name: str, mechanism: str):  # noqa: F811
+    """A 2-step DP run of the tiny task with a baseline whose privacy.mechanism is `mechanism`."""
+    baseline = {"name": name, "description": "A test.", "reproduces": "none (a test)",
+                "overrides": {"privacy": {"mechanism": mechanism}}}  # fmt: skip
+    (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(baseline))
+    root = _specs_with(tmp_path / name, specs_dir, tmp_path / f"{name}.yaml")
+    config = resolve(load_specs([root]), "synth-tiny-test", name, "eps7.2-high-pop", 0,
+                     ["federated.central_steps=2"])  # fmt: skip
+    run_dir = run(config, out_dir=tmp_path / name / "run", options=RunOptions(progress=False))
+    return load_record(run_dir / "record.json")[0]
+
+
+def test_a_plugin_mechanism_that_breaks_its_clip_bound_stops_the_run_before_any_claim(
+    tmp_path,
+    specs_dir,  # noqa: F811
+    tiny_cache_dir,
+    tiny_task_data,
+    monkeypatch,
+):
+    """Its noise is calibrated to C_t, so an update over C_t makes the run's ε false, and the
+    record would re-score and re-account like any other: pflbench measures a plug-in's updates
+    itself, and the run stops at the first one over C_t."""
+    monkeypatch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
+    (tmp_path / "leaky.py").write_text(LEAKY_PLUGIN.format(scale=5.0))
+    plugins.load_plugin(str(tmp_path / "leaky.py"))
+    with pytest.raises(UserError, match=r"privacy mechanism 'leaky' \(plug-in leaky\) left user "
+                       r".* at step 0 with L2 norm .*over its clip bound C_t"):  # fmt: skip
+        _mechanism_run(tmp_path, specs_dir, "leaky-by-5", "leaky")
+    assert not (tmp_path / "leaky-by-5" / "run" / "record.json").exists()
+
+
+def test_a_plugin_mechanism_within_its_bound_aggregates_as_the_builtin_one(tmp_path):
+    """Measured and found within C_t (SCALE 1: Algorithm 1 itself), a plug-in's updates give the
+    built-in mechanism's noised average to the last bit: the check changes nothing it passes."""
+    from conftest import make_mechanism
+
+    from pflbench.fl.aggregate import StepAggregator
+
+    (tmp_path / "leaky.py").write_text(LEAKY_PLUGIN.format(scale=1.0))
+    plugins.load_plugin(str(tmp_path / "leaky.py"))
+    generator = torch.Generator().manual_seed(0)
+    updates = [{"a": torch.randn(30, generator=generator), "b": torch.randn(7, generator=generator)}
+               for _ in range(4)]  # fmt: skip
+    averages = {}
+    for name in ("leaky", "gaussian"):
+        privacy = {"mechanism": name, "clip_bound": 0.01, "clipping": "global"}
+        mechanism = make_mechanism(privacy, 4, sigma_dp=0.5)
+        aggregator = StepAggregator(updates[0], mechanism, 0, update_bound=10.0)
+        assert aggregator.check_bound == (name == "leaky")
+        for i, update in enumerate(updates):
+            aggregator.add({k: v.clone() for k, v in update.items()}, f"u{i}", 1.0, 1, 10)
+        averages[name], _ = aggregator.finish()
+    assert all(torch.equal(a, b) for a, b in zip(*averages.values(), strict=True))
+
+
+def test_a_tiny_excess_over_the_clip_bound_is_refused():
+    """One fp32 step over C is over C: the check allows only its own fp64 measurement error."""
+    from conftest import make_mechanism
+
+    mechanism = make_mechanism({"clip_bound": 0.01, "clipping": "global"}, 4, sigma_dp=1.0)
+    above = np.nextafter(np.float32(0.01), np.float32(1))
+    below = np.nextafter(np.float32(0.01), np.float32(0))
+    assert check_within_clip_bound(mechanism, {"w": torch.tensor([float(below)])}, "u0", 0) <= 0.01
+    with pytest.raises(UserError, match="over its clip bound"):
+        check_within_clip_bound(mechanism, {"w": torch.tensor([float(above)])}, "u0", 0)

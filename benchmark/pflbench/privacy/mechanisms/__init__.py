@@ -12,6 +12,8 @@ from pflbench.privacy.mechanisms.base import (
     MechanismContext,
     PrivacyMechanism,
     check_mechanism_recipe,
+    check_within_clip_bound,
+    checks_plugin_bound,
     mechanism_class,
 )
 
@@ -20,6 +22,8 @@ __all__ = [
     "MechanismContext",
     "PrivacyMechanism",
     "check_mechanism_recipe",
+    "check_within_clip_bound",
+    "checks_plugin_bound",
     "mechanism_class",
 ]
 

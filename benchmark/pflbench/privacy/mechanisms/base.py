@@ -31,9 +31,10 @@ import torch
 from pydantic import BaseModel, ValidationError
 
 from pflbench.errors import UserError
-from pflbench.extension import ExtensionPoint
+from pflbench.extension import BUILTIN, ExtensionPoint
 from pflbench.privacy.accounting import MechanismDescription, SampledGaussian
 from pflbench.privacy.adaptive import next_clip_bound
+from pflbench.privacy.clipping import layer_norms, measurement_error
 from pflbench.privacy.sampling import expected_cohort, sample_cohort
 from pflbench.privacy.steps import privacy_steps
 from pflbench.spec.models import NoOptions, PrivacyRecipe, Recipe
@@ -198,6 +199,38 @@ class PrivacyMechanism:
 
 # The registry (more built-ins: modules of this package; plug-ins: pflbench.plugins).
 PRIVACY_MECHANISMS = ExtensionPoint("privacy mechanism", (("gaussian", PrivacyMechanism),))
+
+
+def checks_plugin_bound(mechanism: PrivacyMechanism) -> bool:
+    """Whether each update is measured after the mechanism's constrain_sensitivity
+    (`check_within_clip_bound`): a plug-in's, under DP. Its ε assumes every update within C_t,
+    and nothing else would notice one that is not (a leaky plug-in's record re-scores and
+    re-accounts like any other); built-in mechanisms clip with a proven bound
+    (privacy/clipping.py) and pay no extra pass."""
+    origin = PRIVACY_MECHANISMS.origins.get(mechanism.privacy.mechanism, BUILTIN)
+    return mechanism.context.sigma_dp > 0 and origin != BUILTIN
+
+
+def check_within_clip_bound(
+    mechanism: PrivacyMechanism, update: dict[str, torch.Tensor], user: str, step: int
+) -> float:
+    """The update's fp64 L2 norm, proven within the mechanism's C_t (measurement error included:
+    a tiny excess is still a false claim); returns that bound on every element of it. UserError
+    naming the mechanism, its plug-in, the user and the step otherwise."""
+    tensors = list(update.values())
+    norm = float(torch.linalg.vector_norm(layer_norms(tensors)))
+    error = measurement_error(sum(t.numel() for t in tensors), len(tensors))
+    bound = norm * (1 + error)
+    if not bound <= mechanism.clip_bound:  # NaN too
+        name = mechanism.privacy.mechanism
+        raise UserError(
+            f"privacy mechanism {name!r} ({PRIVACY_MECHANISMS.origins[name]}) left user {user}'s"
+            f" update at step {step} with L2 norm {norm:.9g}, over its clip bound C_t ="
+            f" {mechanism.clip_bound:.9g}: the noise is calibrated to C_t, so the run's ε would"
+            " be false. constrain_sensitivity must leave every update within C_t (clip with"
+            " pflbench.privacy.clipping.clip_update, whose result is proven within it)"
+        )
+    return bound
 
 
 def mechanism_class(privacy: PrivacyRecipe) -> type[PrivacyMechanism]:
