@@ -146,6 +146,43 @@ def test_a_plugins_digest_covers_the_code_it_runs(tmp_path, monkeypatch):
     assert digests[False][1] != digests[True][1]
 
 
+def test_a_file_plugins_helpers_import_and_are_digested_whatever_the_load_order(
+    tmp_path, monkeypatch
+):
+    """A helper beside the file imports without PYTHONPATH (the folder goes first on sys.path,
+    as for a script); one imported inside a function is in the digest; a helper two plug-ins
+    share is in both digests, whichever loads first."""
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    (tmp_path / "shared.py").write_text("SCALE = 1.0\n")
+    (tmp_path / "later.py").write_text("SHIFT = 0.0\n")
+    (tmp_path / "one.py").write_text(
+        "from shared import SCALE\n" + REGISTERS + "S.register('one-sgd', S['sgd'])\n"
+        "def shift():\n    from later import SHIFT\n    return SHIFT\n"
+    )
+    (tmp_path / "two.py").write_text(
+        "import shared\n" + REGISTERS + "S.register('two-sgd', S['sgd'])\n"
+    )
+
+    def load(order, edit=None):
+        plugins._loaded.clear()
+        for name in ("one-sgd", "two-sgd"):
+            dict.pop(SERVER_OPTIMIZERS, name, None)
+        for name in ("shared", "later"):
+            sys.modules.pop(name, None)
+        if edit:
+            (tmp_path / edit).write_text((tmp_path / edit).read_text() + "# edited\n")
+        loaded = {n: plugins.load_plugin(str(tmp_path / f"{n}.py")).sha256 for n in order}
+        return loaded["one"], loaded["two"]
+
+    first = load(["one", "two"])
+    assert load(["two", "one"]) == first
+    edited = load(["two", "one"], edit="shared.py")
+    assert edited == load(["one", "two"]) and edited[0] != first[0] and edited[1] != first[1]
+    lazily = load(["one", "two"], edit="later.py")
+    assert lazily[0] != edited[0] and lazily[1] == edited[1]  # only one.py imports later.py
+
+
 def test_a_registry_changes_only_by_register():
     with pytest.raises(UserError, match="server optimizer registry changes only by register"):
         SERVER_OPTIMIZERS["adam"] = SERVER_OPTIMIZERS["sgd"]

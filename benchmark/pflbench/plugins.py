@@ -9,8 +9,9 @@ required of it. A plug-in may set `__version__`. Its name (a file's stem, or the
 identifies it in records, so two plug-ins of one name are refused.
 
 Its source, digested, is every file of its code: a module's whole top-level package (a module
-`my_pkg.methods` runs `my_pkg.core` too); a file with the modules its import brought in from its
-own folder (a helper beside it).
+`my_pkg.methods` runs `my_pkg.core` too); a file (or a module outside a package) with the modules
+of its own folder that its code imports (a helper beside it), as its import statements say. A
+file plug-in's folder goes first on sys.path, as for a script.
 
 Every run's record names each plug-in loaded (name, version, sha256 of its source files, what it
 registered); `pflbench submit` refuses a record whose plug-ins are not loaded with the same source,
@@ -19,6 +20,7 @@ and the leaderboard marks the rows that used one.
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import importlib
 import importlib.metadata
@@ -71,9 +73,8 @@ def source_digest(files: list[Path], root: Path) -> str:
     return h.hexdigest()
 
 
-def _source_files(module, from_file: bool, imported: list) -> tuple[list[Path], Path]:
-    """The plug-in's code (module docstring) and the folder its paths are relative to.
-    `imported`: the modules its import brought in."""
+def _source_files(module, from_file: bool) -> tuple[list[Path], Path]:
+    """The plug-in's code (module docstring) and the folder its paths are relative to."""
     file = Path(getattr(module, "__file__", "") or "")
     if not file.is_file():
         raise UserError(f"plug-in {module.__name__!r} has no source file to digest")
@@ -82,18 +83,39 @@ def _source_files(module, from_file: bool, imported: list) -> tuple[list[Path], 
         top_file = Path(getattr(top, "__file__", "") or "")
         if top_file.name == "__init__.py":  # a package: every .py file under it
             return sorted(top_file.parent.rglob("*.py")), top_file.parent
-    root = file.parent.resolve()
-    # Not pflbench's own modules nor installed ones (a virtualenv may lie inside the folder).
+    file = file.resolve()
     installed = {Path(p).resolve() for p in (sys.prefix, sys.base_prefix)}
-    beside = {
-        path
-        for m in imported
-        if (path := Path(getattr(m, "__file__", None) or "").resolve()).suffix == ".py"
-        and root in path.parents
-        and not installed & set(path.parents)
-        and m.__name__.partition(".")[0] != "pflbench"
-    }
-    return sorted({file.resolve(), *beside}), root
+    if installed & set(file.parents):  # an installed module's neighbours are other packages
+        return [file], file.parent
+    return sorted({file, *_helpers_beside(file)}), file.parent
+
+
+def _helpers_beside(file: Path) -> set[Path]:
+    """The modules of `file`'s folder that its code imports, at module level or inside a function,
+    and theirs in turn: found by reading the import statements, so a helper two plug-ins share
+    is in both digests whichever loads first (a helper already imported is no new module)."""
+    root, found, todo = file.parent, set(), [file]
+    while todo:
+        try:
+            tree = ast.parse(todo.pop().read_text(encoding="utf-8"))
+        except (OSError, SyntaxError, ValueError):
+            continue  # the import itself would have failed: nothing to digest
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for top in {name.partition(".")[0] for name in names} - {"pflbench"}:
+                package = root / top / "__init__.py"
+                paths = sorted(package.parent.rglob("*.py")) if package.is_file() else []
+                module = root / f"{top}.py"
+                for path in [*paths, *([module] if module.is_file() else [])]:
+                    if path.resolve() not in found:
+                        found.add(path.resolve())
+                        todo.append(path)
+    return found - {file}
 
 
 def _is_file(spec: str) -> bool:
@@ -116,6 +138,11 @@ def _import(spec: str):
     path = Path(spec)
     if not path.is_file():
         raise UserError("no such file")
+    # As `python file.py` would: the file's folder first on sys.path, so that a helper beside it
+    # imports (at module level or later, inside a function).
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
     module_spec = importlib.util.spec_from_file_location(f"pflbench_plugin_{path.stem}", path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_spec.name] = module
@@ -135,7 +162,6 @@ def load_plugin(spec: str, source: str | None = None) -> Plugin:
             "names its plug-ins by name: rename one"
         )
     origin = f"plug-in {name}"
-    before = set(sys.modules)
     try:
         with registering_as(origin):
             module = _import(spec)
@@ -143,8 +169,7 @@ def load_plugin(spec: str, source: str | None = None) -> Plugin:
         raise UserError(f"plug-in {spec}: {exc}") from exc
     except (Exception, SystemExit) as exc:  # a researcher's code: say which and what went wrong
         raise UserError(f"plug-in {spec}: failed to load ({type(exc).__name__}: {exc})") from exc
-    imported = [sys.modules[m] for m in set(sys.modules) - before]
-    files, root = _source_files(module, _is_file(spec), imported)
+    files, root = _source_files(module, _is_file(spec))
     registered = {
         point.kind: names
         for point in EXTENSION_POINTS
