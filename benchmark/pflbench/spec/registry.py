@@ -118,7 +118,10 @@ class Registry:
 def _lookup(table: dict[str, Loaded], name: str, kind: str) -> Loaded:
     if name not in table:
         known = ", ".join(sorted(table)) or "(none)"
-        raise UserError(f"unknown {kind} {name!r}; known {kind}s: {known}")
+        raise UserError(
+            f"unknown {kind} {name!r}; known {kind}s: {known} (specs from outside the repository:"
+            " --specs FOLDER or PFLBENCH_SPECS)"
+        )
     return table[name]
 
 
