@@ -136,6 +136,13 @@ def test_a_dp_budget_refuses_fixed_size_cohorts_before_training(env, tmp_path):
     check_run_privacy(_config(env, "perlayer-dim", "none", ["federated.sampling=fixed"]))
 
 
+def test_bad_mechanism_options_name_the_task_and_baseline(env):
+    config = _config(env, "perlayer-dim", "eps7.2-high-pop", ["privacy.mechanism_options.bands=2"])
+    with pytest.raises(UserError, match=f"task '{TASK}', baseline 'perlayer-dim': "
+                       "privacy.mechanism_options of 'gaussian'(.|\n)*bands"):  # fmt: skip
+        check_run_privacy(config)
+
+
 @pytest.mark.parametrize("baseline", REFERENCE_ROWS)
 def test_reference_rows_run_without_fl_and_refuse_dp_budgets(env, tmp_path, baseline):
     with pytest.raises(UserError, match="non-private reference row"):

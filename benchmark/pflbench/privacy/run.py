@@ -49,7 +49,12 @@ def check_run_privacy(config: RunConfig) -> None:
             f" row, so budget {config.budget.name!r} cannot be met; use --budget none"
         )
     check_audit(config.recipe)
-    check_mechanism_recipe(config.recipe)
+    try:
+        check_mechanism_recipe(config.recipe)
+    except UserError as exc:  # the options may come from the baseline or a --set: say whose
+        raise UserError(
+            f"task {config.task.name!r}, baseline {config.baseline.name!r}: {exc}"
+        ) from None
     check_sampling_accountable(config, "federated.sampling")
     if config.budget.dp and config.recipe.privacy.clipping == "none":
         raise UserError(
