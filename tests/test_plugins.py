@@ -409,17 +409,17 @@ def test_a_plugin_baseline_is_shown_with_its_plugin():
 
 
 LEAKY_PLUGIN = '''
-"""A privacy mechanism from outside pflbench: Algorithm 1, each update then scaled by SCALE."""
-import torch
+"""A privacy mechanism from outside pflbench: Algorithm 1, then EXCESS * C_t added to one element
+of each clipped update (its norm then over C_t whatever the update: at least (EXCESS - 1) C_t)."""
 from pflbench.privacy.mechanisms import PRIVACY_MECHANISMS, PrivacyMechanism
 
-SCALE = {scale}
+EXCESS = {excess}
 
 
 class Leaky(PrivacyMechanism):
     def constrain_sensitivity(self, update, user, step):
         facts = super().constrain_sensitivity(update, user, step)
-        torch._foreach_mul_(list(update.values()), SCALE)
+        next(iter(update.values())).view(-1)[0] += EXCESS * self.clip_bound
         return facts
 
 
@@ -427,14 +427,15 @@ PRIVACY_MECHANISMS.register("leaky", Leaky)
 '''
 
 
-def _mechanism_run(tmp_path, specs_dir, name: str, mechanism: str):  # noqa: F811
-    """A 2-step DP run of the tiny task with a baseline whose privacy.mechanism is `mechanism`."""
+def _mechanism_run(tmp_path, specs_dir, name: str, mechanism: str, users: int):  # noqa: F811
+    """A 2-step DP run of the tiny task with a baseline whose privacy.mechanism is `mechanism`,
+    every one of its `users` in each step (q = 1: no step without a client to check)."""
     baseline = {"name": name, "description": "A test.", "reproduces": "none (a test)",
                 "overrides": {"privacy": {"mechanism": mechanism}}}  # fmt: skip
     (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump(baseline))
     root = _specs_with(tmp_path / name, specs_dir, tmp_path / f"{name}.yaml")
     config = resolve(load_specs([root]), "synth-tiny-test", name, "eps7.2-high-pop", 0,
-                     ["federated.central_steps=2"])  # fmt: skip
+                     ["federated.central_steps=2", f"federated.cohort_size={users}"])  # fmt: skip
     run_dir = run(config, out_dir=tmp_path / name / "run", options=RunOptions(progress=False))
     return load_record(run_dir / "record.json")[0]
 
@@ -450,22 +451,23 @@ def test_a_plugin_mechanism_that_breaks_its_clip_bound_stops_the_run_before_any_
     record would re-score and re-account like any other: pflbench measures a plug-in's updates
     itself, and the run stops at the first one over C_t."""
     monkeypatch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
-    (tmp_path / "leaky.py").write_text(LEAKY_PLUGIN.format(scale=5.0))
+    (tmp_path / "leaky.py").write_text(LEAKY_PLUGIN.format(excess=3.0))
     plugins.load_plugin(str(tmp_path / "leaky.py"))
     with pytest.raises(UserError, match=r"privacy mechanism 'leaky' \(plug-in leaky\) left user "
                        r".* at step 0 with L2 norm .*over its clip bound C_t"):  # fmt: skip
-        _mechanism_run(tmp_path, specs_dir, "leaky-by-5", "leaky")
-    assert not (tmp_path / "leaky-by-5" / "run" / "record.json").exists()
+        _mechanism_run(tmp_path, specs_dir, "leaky-by-3c", "leaky",
+                       len(tiny_task_data.federated_train.users()))  # fmt: skip
+    assert not (tmp_path / "leaky-by-3c" / "run" / "record.json").exists()
 
 
 def test_a_plugin_mechanism_within_its_bound_aggregates_as_the_builtin_one(tmp_path):
-    """Measured and found within C_t (SCALE 1: Algorithm 1 itself), a plug-in's updates give the
+    """Measured and found within C_t (EXCESS 0: Algorithm 1 itself), a plug-in's updates give the
     built-in mechanism's noised average to the last bit: the check changes nothing it passes."""
     from conftest import make_mechanism
 
     from pflbench.fl.aggregate import StepAggregator
 
-    (tmp_path / "leaky.py").write_text(LEAKY_PLUGIN.format(scale=1.0))
+    (tmp_path / "leaky.py").write_text(LEAKY_PLUGIN.format(excess=0.0))
     plugins.load_plugin(str(tmp_path / "leaky.py"))
     generator = torch.Generator().manual_seed(0)
     updates = [{"a": torch.randn(30, generator=generator), "b": torch.randn(7, generator=generator)}
