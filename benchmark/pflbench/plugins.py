@@ -92,8 +92,8 @@ def _source_files(module, from_file: bool) -> tuple[list[Path], Path]:
 
 def _helpers_beside(file: Path) -> set[Path]:
     """The modules of `file`'s folder that its code imports, at module level or inside a function,
-    and theirs in turn: found by reading the import statements, so a helper two plug-ins share
-    is in both digests whichever loads first (a helper already imported is no new module)."""
+    and theirs in turn: read from the import statements (not from what an import brought into
+    sys.modules), so a helper two plug-ins share is in both digests whichever loads first."""
     root, found, todo = file.parent, set(), [file]
     while todo:
         try:
@@ -108,10 +108,9 @@ def _helpers_beside(file: Path) -> set[Path]:
             else:
                 continue
             for top in {name.partition(".")[0] for name in names} - {"pflbench"}:
-                package = root / top / "__init__.py"
-                paths = sorted(package.parent.rglob("*.py")) if package.is_file() else []
-                module = root / f"{top}.py"
-                for path in [*paths, *([module] if module.is_file() else [])]:
+                package, module = root / top, root / f"{top}.py"
+                paths = package.rglob("*.py") if (package / "__init__.py").is_file() else []
+                for path in {*paths, *([module] if module.is_file() else [])}:
                     if path.resolve() not in found:
                         found.add(path.resolve())
                         todo.append(path)

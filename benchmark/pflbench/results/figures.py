@@ -52,6 +52,7 @@ FAMILIES = (  # panels of the WER-vs-ε figure, by baseline name
     ("client-side method", ("fedprox", "data-limit", "fvn", "layerfreeze", "scaffold")),
     ("privacy mechanism", ("bandmf-",)),
 )
+FAMILY_ORDER = (*(name for name, _ in FAMILIES), "other")  # family()'s names, in panel order
 OPTIMIZERS = {"lamb": "LAMB", "lars": "LARS", "adam": "Adam", "adagrad": "AdaGrad", "sgd": "SGD"}
 
 
@@ -501,19 +502,11 @@ def _group_series_rank(row: Row, default_budget: str | None) -> tuple:
     figure with whatever sorted first (adaptive-*, bandmf-*) and left out fedavg."""
     first = row.first
     kind = family(first.baseline)
-    families = [name for name, _ in FAMILIES]
-    if first.budget == "none" and kind == "other":
-        place = 0
-    else:
-        place = 1 if first.budget == default_budget else 2
-    return (
-        bool(overrides_of(first)),
-        place,
-        -len(row.records),
-        families.index(kind) if kind in families else len(families),
-        first.baseline,
-        first.budget,
-    )
+    anchor = first.budget == "none" and kind == "other"
+    place = 0 if anchor else 1 if first.budget == default_budget else 2
+    rank = FAMILY_ORDER.index(kind)  # "other" last
+    return (bool(overrides_of(first)), place, -len(row.records), rank, first.baseline,
+            first.budget)  # fmt: skip
 
 
 def audit_figure(records: list[ResultRecord], task: str, skipped: list[str]) -> Figure | None:
