@@ -21,6 +21,8 @@ from pflbench.extension import BUILTIN, ExtensionPoint
 from pflbench.fl.server import ServerOptimizer
 from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS
 from pflbench.methods import load_specs
+from pflbench.privacy.accountants import calibrate_noise
+from pflbench.privacy.accounting import sampled_gaussian
 from pflbench.privacy.mechanisms import check_within_clip_bound
 from pflbench.results.schema import load_record
 from pflbench.runner import RunOptions, run
@@ -494,3 +496,58 @@ def test_a_tiny_excess_over_the_clip_bound_is_refused():
     assert check_within_clip_bound(mechanism, {"w": torch.tensor([float(below)])}, "u0", 0) <= 0.01
     with pytest.raises(UserError, match="over its clip bound"):
         check_within_clip_bound(mechanism, {"w": torch.tensor([float(above)])}, "u0", 0)
+
+
+ACCOUNTANT_PLUGIN = '''"""An accountant that reports RDP's ε times {factor} (a test)."""
+from dataclasses import replace
+
+from pflbench.privacy import rdp
+from pflbench.privacy.accountants import ACCOUNTANTS
+from pflbench.privacy.accounting import Accountant
+
+
+def epsilon(mechanism, delta):
+    result = rdp.epsilon(mechanism, delta)
+    return replace(result, accountant="{name}", epsilon=result.epsilon * {factor})
+
+
+ACCOUNTANTS.register(
+    "{name}", Accountant("{name}", "RDP times {factor}", "opacus", epsilon, rdp.summary, True)
+)
+'''
+
+
+def test_a_plugin_accountant_that_under_reports_epsilon_is_refused_before_any_run(
+    tmp_path,
+    specs_dir,  # noqa: F811
+    tiny_cache_dir,
+    monkeypatch,
+):
+    """A budget may name a plug-in accountant: it calibrates the run's noise, its ε is the
+    record's claim, and submit re-accounts the claim with the same code, so an accountant that
+    under-reports would be filed as meeting its budget. Its ε must not lie below PRV's proven
+    lower bound; an honest one (RDP's ε again) calibrates as RDP does."""
+    monkeypatch.setenv("PFLBENCH_CACHE", str(tiny_cache_dir))
+    for name, factor in (("rdp-again", 1.0), ("rdp-halved", 0.5)):
+        (tmp_path / f"{name}.py").write_text(ACCOUNTANT_PLUGIN.format(name=name, factor=factor))
+        plugins.load_plugin(str(tmp_path / f"{name}.py"))
+    family = sampled_gaussian(0.01, 100)
+    assert calibrate_noise(2.0, family, 1e-6, "rdp-again") == calibrate_noise(
+        2.0, family, 1e-6, "rdp"
+    )
+    refusal = (r"accountant 'rdp-halved' \(plug-in rdp-halved\) gives ε = .* below .*, a proven"
+               r" lower bound .* under-reports ε")  # fmt: skip
+    with pytest.raises(UserError, match=refusal):
+        calibrate_noise(2.0, family, 1e-6, "rdp-halved")
+
+    root = tmp_path / "specs"
+    shutil.copytree(specs_dir, root)
+    budget = {"name": "eps7.2-halved", "description": "eps7.2-high-pop by rdp-halved (a test).",
+              "epsilon": 7.2, "delta": 1e-9, "population": 69506000, "cohort": 204800,
+              "steps": 2034, "accountant": "rdp-halved"}  # fmt: skip
+    (root / "tasks" / "budgets.yaml").write_text(yaml.safe_dump({"budgets": [budget]}))
+    with pytest.raises(UserError, match=refusal):
+        config = resolve(load_specs([root]), "synth-tiny-test", "perlayer-dim", "eps7.2-halved",
+                         0, ["federated.central_steps=1"])  # fmt: skip
+        run(config, out_dir=tmp_path / "run", options=RunOptions(progress=False))
+    assert not (tmp_path / "run" / "record.json").exists()

@@ -78,3 +78,30 @@ def test_prv_is_a_cross_check_only():
                        "known: rdp, pld"):  # fmt: skip
         check_budget(budget, "b.yaml")
     assert not ACCOUNTANTS["prv"].calibrates
+
+
+@pytest.mark.parametrize(("z", "q", "steps"), [PAPER_ROWS[0], (1.0, 0.01, 10), (0.3, 0.05, 200)])
+def test_the_lower_bound_lies_under_every_builtin_accountant_and_close_to_pld(z, q, steps):
+    """What a plug-in accountant's ε is checked against (accountants.check_not_below_lower_bound):
+    no upper bound may lie under it, and within its coarser grid it is PLD's ε."""
+    described = SampledGaussian(z, q, steps)
+    lower, at_steps = prv.lower_bound(described, DELTA)
+    pld = compute_epsilon(described, DELTA, "pld").epsilon
+    assert at_steps == steps
+    for name in ACCOUNTANTS:
+        assert lower <= compute_epsilon(described, DELTA, name).epsilon
+    error = max(prv.FLOOR_EPS_ERROR, prv.FLOOR_RELATIVE_EPS_ERROR * compute_epsilon(
+        described, DELTA, "rdp").epsilon)  # fmt: skip
+    assert pld - lower <= 2 * error
+
+
+def test_the_lower_bound_composes_fewer_steps_where_prv_cannot_run_all():
+    """RDP ε above 1,000 at T = 300, beyond PRV's range, and PRV's discretization fails at the
+    273 steps that are within it: the bound is PRV's at fewer steps (composing more never lowers
+    ε), so it still lies under PLD's ε at T; None where not even one step's RDP ε is in range."""
+    described = SampledGaussian(0.3, 0.5, 300)
+    lower, at_steps = prv.lower_bound(described, DELTA)
+    at = SampledGaussian(0.3, 0.5, at_steps)
+    assert 1 <= at_steps < 273 and compute_epsilon(at, DELTA, "rdp").epsilon <= 1e3
+    assert 0 < lower <= compute_epsilon(described, DELTA, "pld").epsilon
+    assert prv.lower_bound(SampledGaussian(0.01, 0.9, 10), DELTA) is None

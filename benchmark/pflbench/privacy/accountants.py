@@ -18,9 +18,14 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from pflbench.errors import UserError
-from pflbench.extension import ExtensionPoint
+from pflbench.extension import BUILTIN, ExtensionPoint
 from pflbench.privacy import pld, prv, rdp
-from pflbench.privacy.accounting import Accountant, EpsilonResult, MechanismDescription
+from pflbench.privacy.accounting import (
+    Accountant,
+    EpsilonResult,
+    MechanismDescription,
+    SampledGaussian,
+)
 
 ACCOUNTANTS = ExtensionPoint(
     "accountant", ((a.name, a) for a in (rdp.ACCOUNTANT, pld.ACCOUNTANT, prv.ACCOUNTANT))
@@ -56,7 +61,18 @@ def compute_epsilon(
 ) -> EpsilonResult:
     """Epsilon of the described mechanism at delta by `accountant` (results are cached). A
     description the accountant does not analyse is first reduced to one it does; the result's
-    details then say from what and by which theorem."""
+    details then say from what and by which theorem. A plug-in accountant's ε is checked
+    against a proven lower bound (`check_not_below_lower_bound`)."""
+    result, analysed = _accounted(mechanism, delta, accountant)
+    if ACCOUNTANTS.origins.get(accountant, BUILTIN) != BUILTIN:
+        check_not_below_lower_bound(accountant, result, analysed, delta)
+    return result
+
+
+def _accounted(
+    mechanism: MechanismDescription, delta: float, accountant: str
+) -> tuple[EpsilonResult, MechanismDescription]:
+    """(ε result, the description the accountant analysed), unchecked."""
     mechanism.check()
     check_delta(delta)
     chosen = get_accountant(accountant)
@@ -66,9 +82,31 @@ def compute_epsilon(
         if analysed is None:
             raise UserError(f"the {accountant} accountant cannot analyse a {mechanism.kind}")
     result = chosen.epsilon(analysed, float(delta))
-    if analysed is mechanism:
-        return result
-    return replace(result, details={**result.details, "reduced_from": mechanism.record()})
+    if analysed is not mechanism:
+        result = replace(result, details={**result.details, "reduced_from": mechanism.record()})
+    return result, analysed
+
+
+def check_not_below_lower_bound(
+    accountant: str, result: EpsilonResult, analysed: MechanismDescription, delta: float
+) -> None:
+    """UserError when an accountant's ε of a Poisson-subsampled Gaussian lies below a proven
+    lower bound on it (prv.lower_bound): the accountant under-reports ε, and the noise it
+    calibrates would not meet the budget, yet every re-accounting by the same code would agree.
+    The built-in accountants are upper bounds, each tested against the others. Unchecked: other
+    descriptions (a BandMF's ε has no lower bound here) and noise so small that PRV cannot run."""
+    if type(analysed) is not SampledGaussian:
+        return
+    floor = prv.lower_bound(analysed, delta)
+    if floor is None or result.epsilon >= floor[0]:
+        return
+    lower, steps = floor
+    raise UserError(
+        f"accountant {accountant!r} ({ACCOUNTANTS.origins[accountant]}) gives ε ="
+        f" {result.epsilon!r} for {analysed} at δ = {delta:g}, below {lower!r}, a proven lower"
+        f" bound on that mechanism's ε (prv_accountant's lower bound at {steps} steps): it"
+        " under-reports ε, and noise calibrated by it would not meet the budget"
+    )
 
 
 def clear_cache() -> None:
@@ -86,7 +124,7 @@ def calibrate_noise(
     target, for a family of descriptions `mechanism(z)` whose epsilon falls as z grows.
 
     Bisection in log z; the returned z is always one whose epsilon was computed and found
-    <= target by `compute_epsilon` itself.
+    <= target by `compute_epsilon` itself (a plug-in accountant's checked there).
     """
     if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise UserError(f"target epsilon must be finite and > 0, got {target_epsilon}")
@@ -94,8 +132,8 @@ def calibrate_noise(
     check_delta(delta)
     get_accountant(accountant, calibrating_only=True)
 
-    def fits(z: float) -> bool:
-        return compute_epsilon(mechanism(z), delta, accountant).epsilon <= target_epsilon
+    def fits(z: float) -> bool:  # unchecked: the search's end is checked once, below
+        return _accounted(mechanism(z), delta, accountant)[0].epsilon <= target_epsilon
 
     # The others are at most the RDP epsilon, so the RDP answer brackets theirs from above.
     hi = 1.0
@@ -117,4 +155,5 @@ def calibrate_noise(
     while hi / lo - 1 > Z_RTOL:
         mid = math.sqrt(lo * hi)
         lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    compute_epsilon(mechanism(hi), delta, accountant)
     return hi
