@@ -22,9 +22,9 @@ from test_run import (  # noqa: F401  (fixtures)
     EXAMPLE_LEVEL,
     TASK,
     _config,
-    check_resumed_wall_counts_both_processes,
     env,
     specs_dir,
+    stop_and_resume,
 )
 
 from pflbench.checkpoint import latest_checkpoint, load_checkpoint
@@ -473,16 +473,11 @@ def test_budgets_of_the_other_unit_are_refused(env, tmp_path):  # noqa: F811
 @pytest.mark.slow
 def test_kill_and_resume_ends_in_the_same_model(env, tmp_path):  # noqa: F811
     config = _config(env, "dpsgd-example-global", BUDGET)
-    options = RunOptions(progress=False, checkpoint_every=1)
-    stopped = RunOptions(progress=False, checkpoint_every=1, stop_after=2)
-    assert run(config, out_dir=tmp_path / "killed", options=stopped)
-    assert not (tmp_path / "killed" / "DONE").exists()
-    resumed = run(config, out_dir=tmp_path / "killed", resume=True, options=options)
-    straight = run(config, out_dir=tmp_path / "straight", options=options)
+    resumed = stop_and_resume(config, tmp_path / "killed")  # its wall time checked there
+    straight = run(config, out_dir=tmp_path / "straight", options=RunOptions(progress=False))
     a = load_file(resumed / "checkpoints" / "final.safetensors")
     b = load_file(straight / "checkpoints" / "final.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    check_resumed_wall_counts_both_processes(config, tmp_path / "timed")
 
 
 @pytest.fixture(scope="module")

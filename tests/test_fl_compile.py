@@ -70,18 +70,6 @@ def test_the_compiled_local_step_has_no_graph_break_and_the_eager_updates(
 
 
 @pytest.mark.parametrize("group_size", [1, 2])
-def test_each_compiled_piece_is_one_graph(tiny_task_data, group_size):
-    _, trainer = _trainer(tiny_task_data, group_size, compile_backend="aot_eager")
-    utterances = largest_users(tiny_task_data.federated_train, 1)[0][1]
-    batches = {g: collate(utterances[g : g + 2 + g]) for g in range(group_size)}
-    inputs = trainer._group_inputs(batches)
-    trainer.update.take_grads([torch.ones_like(p) for p in trainer.update.params])
-    for piece, args in ((trainer._group_losses, inputs), (trainer.update.clip_and_descend, ())):
-        explained = torch._dynamo.explain(piece)(*args)
-        assert (explained.graph_count, explained.graph_break_count) == (1, 0), piece
-
-
-@pytest.mark.parametrize("group_size", [1, 2])
 def test_padding_to_buckets_changes_eager_updates_only_by_rounding(tiny_task_data, group_size):
     # 20 s batches: up to 9 utterances (padded to 10), of frame counts that are no bucket size
     _, trainer = _trainer(tiny_task_data, group_size, 20.0, pad_to_buckets=True)
