@@ -3,7 +3,6 @@ never a silent conversion, a skipped file or a traceback."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -11,7 +10,7 @@ import pytest
 from test_spec import TASK, _spec_dir
 from typer.testing import CliRunner
 
-from pflbench.cli import app
+from pflbench.cli import app, main
 from pflbench.errors import UserError
 from pflbench.spec.registry import load_registry
 from pflbench.spec.resolve import resolve
@@ -191,11 +190,11 @@ def test_python_tags_are_not_valid_yaml(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------
-# The installed command: exit code 2, the file and the problem on stderr, no traceback
+# The command's entry point: exit code 2, the file and the problem on stderr, no traceback
 
 
-# One process per case (each pays for importing torch): the listing and the hashing commands
-# load specs the same way, so the cases alternate between them.
+# In this process (the installed command in its own process: tests/test_spec.py): the listing and
+# the hashing commands load specs the same way, so the cases alternate between them.
 @pytest.mark.parametrize(
     "files, args, needle",
     [
@@ -209,16 +208,15 @@ def test_python_tags_are_not_valid_yaml(tmp_path):
         ({"baselines/my-baseline.yml": BASELINE}, ["baselines", "list"], "must end in .yaml"),
     ],
 )
-def test_cli_exits_2_without_traceback(tmp_path, files, args, needle):
+def test_cli_exits_2_without_traceback(tmp_path, files, args, needle, capsys, monkeypatch):
     d = _spec_dir(tmp_path, files)
-    out = subprocess.run(
-        [sys.executable, "-m", "pflbench", *args, "--specs", str(d)],
-        capture_output=True,
-        text=True,
-    )
-    assert out.returncode == 2, (args, out.stderr)
-    assert needle in out.stderr and str(d) in out.stderr, out.stderr
-    assert "Traceback" not in out.stderr
+    monkeypatch.setattr(sys, "argv", ["pflbench", *args, "--specs", str(d)])
+    with pytest.raises(SystemExit) as exited:
+        main()
+    stderr = capsys.readouterr().err
+    assert exited.value.code == 2, (args, stderr)
+    assert needle in stderr and str(d) in stderr, stderr
+    assert "Traceback" not in stderr
 
 
 def test_a_file_where_the_tasks_folder_belongs_is_an_error(tmp_path):
