@@ -1,5 +1,7 @@
 """The PRV accountant (prv_accountant): a third cross-check next to RDP and PLD."""
 
+import math
+
 import pytest
 from test_privacy_accountants import HIGH_POP
 
@@ -105,3 +107,40 @@ def test_the_lower_bound_composes_fewer_steps_where_prv_cannot_run_all():
     assert 1 <= at_steps < 273 and compute_epsilon(at, DELTA, "rdp").epsilon <= 1e3
     assert 0 < lower <= compute_epsilon(described, DELTA, "pld").epsilon
     assert prv.lower_bound(SampledGaussian(0.01, 0.9, 10), DELTA) is None
+
+
+def _gaussian_epsilon(mu: float, delta: float) -> float:
+    """The exact ε(δ) of the Gaussian mechanism with sensitivity-to-noise ratio mu (Balle and
+    Wang 2018): δ(ε) = Φ(μ/2 - ε/μ) - e^ε Φ(-μ/2 - ε/μ), solved for ε by bisection."""
+    from scipy.stats import norm
+
+    def delta_at(eps: float) -> float:
+        return norm.cdf(mu / 2 - eps / mu) - math.exp(eps) * norm.cdf(-mu / 2 - eps / mu)
+
+    low, high = 0.0, 100.0
+    for _ in range(200):
+        mid = (low + high) / 2
+        low, high = (low, mid) if delta_at(mid) <= delta else (mid, high)
+    return high
+
+
+@pytest.mark.parametrize(
+    ("z", "steps", "delta"), [(1.0, 1, 1e-5), (4.0, 10, 1e-9), (20.0, 50, 1e-6)]
+)
+def test_the_lower_bound_lies_under_the_exact_epsilon_without_subsampling(z, steps, delta):
+    """At q = 1, T steps of the Gaussian mechanism are one Gaussian mechanism of ratio √T/z,
+    whose ε is known exactly: the bound is under it, by at most its grid's error."""
+    exact = _gaussian_epsilon(math.sqrt(steps) / z, delta)
+    lower, at_steps = prv.lower_bound(SampledGaussian(z, 1.0, steps), delta)
+    assert at_steps == steps and exact - 2 * prv.FLOOR_EPS_ERROR <= lower <= exact
+
+
+def test_the_lower_bound_is_none_where_prv_fails_at_every_step_count(monkeypatch):
+    """Then nothing is checked (accountants.check_not_below_lower_bound passes the value)."""
+
+    def fails(*args):
+        raise RuntimeError("Discrete mean differs from continuous mean significantly.")
+
+    monkeypatch.setattr(prv, "prv_bounds", fails)
+    prv.lower_bound.cache_clear()  # a cached bound would not call it
+    assert prv.lower_bound(SampledGaussian(1.0, 0.01, 8), DELTA) is None

@@ -93,8 +93,11 @@ def check_not_below_lower_bound(
     """UserError when an accountant's ε of a Poisson-subsampled Gaussian lies below a proven
     lower bound on it (prv.lower_bound): the accountant under-reports ε, and the noise it
     calibrates would not meet the budget, yet every re-accounting by the same code would agree.
-    The built-in accountants are upper bounds, each tested against the others. Unchecked: other
-    descriptions (a BandMF's ε has no lower bound here) and noise so small that PRV cannot run."""
+    The built-in accountants are upper bounds, each tested against the others. The bound lies
+    max(0.05, 0.5% of RDP's ε) under the true ε or more (prv.FLOOR_EPS_ERROR): it catches gross
+    under-reporting, not a slip of a few hundredths. Unchecked: other descriptions (a BandMF's ε
+    has no lower bound here) and where PRV cannot run even one step (tiny noise; a δ so small,
+    ~1e-18, that its grid fails)."""
     if type(analysed) is not SampledGaussian:
         return
     floor = prv.lower_bound(analysed, delta)
@@ -103,7 +106,7 @@ def check_not_below_lower_bound(
     lower, steps = floor
     raise UserError(
         f"accountant {accountant!r} ({ACCOUNTANTS.origins[accountant]}) gives ε ="
-        f" {result.epsilon!r} for {analysed} at δ = {delta:g}, below {lower!r}, a proven lower"
+        f" {result.epsilon:.4g} for {analysed} at δ = {delta:g}, below {lower:.4g}, a proven lower"
         f" bound on that mechanism's ε (prv_accountant's lower bound at {steps} steps): it"
         " under-reports ε, and noise calibrated by it would not meet the budget"
     )
@@ -112,6 +115,7 @@ def check_not_below_lower_bound(
 def clear_cache() -> None:
     for a in ACCOUNTANTS.values():
         a.epsilon.cache_clear()
+    prv.lower_bound.cache_clear()
 
 
 def calibrate_noise(
@@ -124,7 +128,7 @@ def calibrate_noise(
     target, for a family of descriptions `mechanism(z)` whose epsilon falls as z grows.
 
     Bisection in log z; the returned z is always one whose epsilon was computed and found
-    <= target by `compute_epsilon` itself (a plug-in accountant's checked there).
+    <= target, and a plug-in accountant's ε at it is checked once (`compute_epsilon`).
     """
     if not (target_epsilon > 0 and math.isfinite(target_epsilon)):
         raise UserError(f"target epsilon must be finite and > 0, got {target_epsilon}")
