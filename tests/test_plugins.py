@@ -571,3 +571,32 @@ def test_an_accountant_registered_outside_a_plugin_is_checked_too():
     )
     with pytest.raises(UserError, match=r"'halved-here' \(registered outside a plug-in\) gives"):
         compute_epsilon(SampledGaussian(1.0, 0.01, 100), 1e-6, "halved-here")
+
+
+def test_a_mechanism_registered_outside_a_plugin_is_measured_too():
+    """A mechanism class pflbench does not ship (a script's or a library's, registered without
+    the plug-in loader) has its updates measured under DP, as a plug-in's are."""
+    from conftest import make_mechanism
+
+    from pflbench.privacy.mechanisms import (
+        PRIVACY_MECHANISMS,
+        PrivacyMechanism,
+        checks_plugin_bound,
+    )
+
+    class Doubling(PrivacyMechanism):
+        def constrain_sensitivity(self, update, user, step):
+            facts = super().constrain_sensitivity(update, user, step)
+            for tensor in update.values():
+                tensor.mul_(2.0)
+            return facts
+
+    PRIVACY_MECHANISMS.register("doubling-here", Doubling)
+    privacy = {"mechanism": "doubling-here", "clip_bound": 0.01, "clipping": "global"}
+    mechanism = make_mechanism(privacy, 4, sigma_dp=0.5)
+    shipped = make_mechanism({**privacy, "mechanism": "gaussian"}, 4, sigma_dp=0.5)
+    assert checks_plugin_bound(mechanism) and not checks_plugin_bound(shipped)
+    update = {"w": torch.ones(10)}
+    mechanism.constrain_sensitivity(update, "u0", 0)
+    with pytest.raises(UserError, match=r"'doubling-here' \(registered outside a plug-in\) left"):
+        check_within_clip_bound(mechanism, update, "u0", 0)

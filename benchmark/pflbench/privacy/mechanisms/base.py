@@ -205,10 +205,12 @@ def checks_plugin_bound(mechanism: PrivacyMechanism) -> bool:
     """Whether each update is measured after the mechanism's constrain_sensitivity
     (`check_within_clip_bound`): a plug-in's, under DP. Its ε assumes every update within C_t,
     and nothing else would notice one that is not (a leaky plug-in's record re-scores and
-    re-accounts like any other); built-in mechanisms clip with a proven bound
-    (privacy/clipping.py) and pay no extra pass."""
-    origin = PRIVACY_MECHANISMS.origins.get(mechanism.privacy.mechanism, BUILTIN)
-    return mechanism.context.sigma_dp > 0 and origin != BUILTIN
+    re-accounts like any other); the mechanisms pflbench ships (classes of this package's
+    modules) clip with a proven bound (privacy/clipping.py) and pay no extra pass. Decided by the
+    class, not by the registry's origin: a class registered outside the plug-in loader (by a
+    script or a library) is measured too."""
+    shipped = type(mechanism).__module__.startswith(f"{__package__}.")
+    return mechanism.context.sigma_dp > 0 and not shipped
 
 
 def check_within_clip_bound(
@@ -223,8 +225,10 @@ def check_within_clip_bound(
     bound = norm * (1 + error)
     if not bound <= mechanism.clip_bound:  # NaN too
         name = mechanism.privacy.mechanism
+        origin = PRIVACY_MECHANISMS.origins.get(name, BUILTIN)
+        origin = "registered outside a plug-in" if origin == BUILTIN else origin
         raise UserError(
-            f"privacy mechanism {name!r} ({PRIVACY_MECHANISMS.origins[name]}) left user {user}'s"
+            f"privacy mechanism {name!r} ({origin}) left user {user}'s"
             f" update at step {step} with L2 norm {norm:.9g}, over its clip bound C_t ="
             f" {mechanism.clip_bound:.9g}: the noise is calibrated to C_t, so the run's ε would"
             " be false. constrain_sensitivity must leave every update within C_t (clip with"
