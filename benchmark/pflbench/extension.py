@@ -81,3 +81,9 @@ class ExtensionPoint(dict):
     def from_plugins(self) -> dict[str, str]:
         """name -> plug-in, for the entries that plug-ins registered."""
         return {n: o for n, o in self.origins.items() if o != BUILTIN}
+
+    def origin_of_unshipped(self, name: str) -> str:
+        """Where an entry pflbench does not ship came from, for messages: its plug-in, or other
+        code that registered it without the plug-in loader (its origin then reads built-in)."""
+        origin = self.origins.get(name, BUILTIN)
+        return "registered outside a plug-in" if origin == BUILTIN else origin

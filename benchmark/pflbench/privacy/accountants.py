@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from pflbench.errors import UserError
-from pflbench.extension import BUILTIN, ExtensionPoint
+from pflbench.extension import ExtensionPoint
 from pflbench.privacy import pld, prv, rdp
 from pflbench.privacy.accounting import (
     Accountant,
@@ -106,10 +106,8 @@ def check_not_below_lower_bound(
     if floor is None or result.epsilon >= floor[0]:
         return
     lower, steps = floor
-    origin = ACCOUNTANTS.origins.get(accountant, BUILTIN)
-    origin = "registered outside a plug-in" if origin == BUILTIN else origin
     raise UserError(
-        f"accountant {accountant!r} ({origin}) gives ε ="
+        f"accountant {accountant!r} ({ACCOUNTANTS.origin_of_unshipped(accountant)}) gives ε ="
         f" {result.epsilon:.4g} for {analysed} at δ = {delta:g}, below {lower:.4g}, a proven lower"
         f" bound on that mechanism's ε (prv_accountant's lower bound at {steps} steps): it"
         " under-reports ε, and noise calibrated by it would not meet the budget"

@@ -31,7 +31,7 @@ import torch
 from pydantic import BaseModel, ValidationError
 
 from pflbench.errors import UserError
-from pflbench.extension import BUILTIN, ExtensionPoint
+from pflbench.extension import ExtensionPoint
 from pflbench.privacy.accounting import MechanismDescription, SampledGaussian
 from pflbench.privacy.adaptive import next_clip_bound
 from pflbench.privacy.clipping import layer_norms, measurement_error
@@ -225,8 +225,7 @@ def check_within_clip_bound(
     bound = norm * (1 + error)
     if not bound <= mechanism.clip_bound:  # NaN too
         name = mechanism.privacy.mechanism
-        origin = PRIVACY_MECHANISMS.origins.get(name, BUILTIN)
-        origin = "registered outside a plug-in" if origin == BUILTIN else origin
+        origin = PRIVACY_MECHANISMS.origin_of_unshipped(name)
         raise UserError(
             f"privacy mechanism {name!r} ({origin}) left user {user}'s"
             f" update at step {step} with L2 norm {norm:.9g}, over its clip bound C_t ="
