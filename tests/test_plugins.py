@@ -556,19 +556,10 @@ def test_a_plugin_accountant_that_under_reports_epsilon_is_refused_before_any_ru
 def test_an_accountant_registered_outside_a_plugin_is_checked_too():
     """Code that registers an accountant without the plug-in loader (a script, a library) is no
     built-in either: its ε is checked the same way."""
-    from dataclasses import replace
+    from pflbench.privacy.accountants import compute_epsilon
+    from pflbench.privacy.accounting import SampledGaussian
 
-    from pflbench.privacy import rdp
-    from pflbench.privacy.accountants import ACCOUNTANTS, compute_epsilon
-    from pflbench.privacy.accounting import Accountant, SampledGaussian
-
-    def halved(mechanism, delta):
-        result = rdp.epsilon(mechanism, delta)
-        return replace(result, accountant="halved-here", epsilon=result.epsilon / 2)
-
-    ACCOUNTANTS.register(
-        "halved-here", Accountant("halved-here", "RDP / 2", "opacus", halved, rdp.summary, True)
-    )
+    exec(ACCOUNTANT_PLUGIN.format(name="halved-here", factor=0.5), {})  # as a script would
     with pytest.raises(UserError, match=r"'halved-here' \(registered outside a plug-in\) gives"):
         compute_epsilon(SampledGaussian(1.0, 0.01, 100), 1e-6, "halved-here")
 

@@ -66,7 +66,7 @@ def compute_epsilon(
     plug-in's, or one other code registered) has its ε checked against a proven lower bound
     (`check_not_below_lower_bound`)."""
     result, analysed = _accounted(mechanism, delta, accountant)
-    if not any(ACCOUNTANTS[accountant] is shipped for shipped in BUILT_IN):
+    if ACCOUNTANTS[accountant] not in BUILT_IN:
         check_not_below_lower_bound(accountant, result, analysed, delta)
     return result
 
