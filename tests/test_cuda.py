@@ -85,3 +85,42 @@ def test_a_whole_run_on_cuda_writes_a_valid_record(env, tmp_path):  # noqa: F811
     assert record.compute.cfmq.peak_client_memory_bytes > 0
     assert set(record.metrics.final) == {"cv-dev", "cv-test", "ls-dev-clean"}
     assert record.diagnostics.nonfinite_updates == 0
+
+
+@pytest.mark.parametrize("group_size", [1, 3])
+def test_compiled_local_steps_under_cuda_graphs_equal_eager(tiny_task_data, group_size):
+    """Inductor on CUDA: the loss under CUDA graphs, the update rule compiled without them, over
+    three local steps and two groups in a row. With the update as a second CUDA-graph function,
+    its first call freed the backward's gradients it was reading (an H200, 2026-11-27: "accessing
+    tensor output of CUDAGraphs that has been overwritten by a subsequent run")."""
+    torch.manual_seed(0)
+    model = build_model("tiny", tiny_task_data.tokenizer.size)
+    recipe = ClientRecipe(batch_seconds=6.0, lr=0.5, local_steps=3)
+    names = [n for n, _ in model.named_parameters()]
+    global_params = [p.detach().cuda() for p in model.parameters()]
+    store = tiny_task_data.federated_train
+    users = sorted(store.users(), key=lambda u: (-store.user_num_utterances(u), u))[:4]
+    clients = [(u, store.load_user(u)) for u in users]
+    algorithm = make_algorithm(recipe, model, names, seed=7, device="cuda")
+
+    def updates(**options) -> dict:
+        args = (model, names, algorithm, AUGMENT, 7, "cuda")
+        trainer = (
+            SequentialClientTrainer(*args, **options)
+            if group_size == 1
+            else ParallelClientTrainer(*args, group_size=group_size, **options)
+        )
+        return {
+            user: {k: v.clone() for k, v in result.update.items()}
+            for step in (5, 6)
+            for user, result in trainer.train_group(global_params, clients, step)
+        }
+
+    eager = updates(pad_to_buckets=True)
+    compiled = updates(compile_backend="inductor")
+    assert compiled.keys() == eager.keys()
+    for user, update in compiled.items():
+        for name, delta in update.items():
+            ref = eager[user][name]
+            assert ref.abs().max() > 0
+            assert (delta - ref).norm() / ref.norm() < 0.05, (user, name)

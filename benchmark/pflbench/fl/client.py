@@ -11,7 +11,7 @@ trains.
 
 With a compile backend (`pflbench run --compile`), each local step is two graphs of
 torch.compile without graph breaks: the group's loss (forward and CTC; its backward compiled
-with it) and the local update rule (clipping, SGD); on CUDA with CUDA graphs. Batches are then
+with it; on CUDA with CUDA graphs) and the local update rule (clipping, SGD). Batches are then
 padded to a few bucket sizes (data.batching.padded_size) so the graphs see few shapes. The
 algorithm's hooks run eagerly between them. The loop itself never waits for the device:
 batches are augmented on the host and copied without blocking, and no loop value is read back
@@ -22,10 +22,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import functools
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -36,6 +35,7 @@ from pflbench.data.features import spec_augment
 from pflbench.data.store import Utterance
 from pflbench.fl.algorithms import ClientAlgorithm
 from pflbench.fl.local_update import LocalUpdate
+from pflbench.model.compiling import step_compiler, uses_cuda_graphs
 from pflbench.model.transformer import cape_positions, ctc_losses
 from pflbench.seeds import keyed_generator, keyed_seed, seed_global_draws
 from pflbench.spec.models import ClientRecipe, SpecAugmentRecipe
@@ -99,16 +99,6 @@ class GroupInputs(NamedTuple):
     weights: torch.Tensor  # [G, B]: 1/b for a client's b utterances, 0 for padding
 
 
-def step_compiler(backend: str | None, device: str) -> Callable[[Callable], Callable] | None:
-    """torch.compile with `backend` (None: run eagerly), with CUDA graphs on CUDA (inductor's
-    reduce-overhead: the eager step is launch-bound there)."""
-    if backend is None:
-        return None
-    cuda = str(device).startswith("cuda")
-    mode = "reduce-overhead" if cuda and backend == "inductor" else None
-    return functools.partial(torch.compile, backend=backend, mode=mode)
-
-
 def clock(device: str, synchronize: bool) -> float:
     """perf_counter, after waiting for the device's queued work when asked (CUDA is async)."""
     if synchronize and str(device).startswith("cuda"):
@@ -152,9 +142,14 @@ class ClientTrainer(ABC):
         self.recipe, self.augment = algorithm.recipe, spec_augment_recipe
         self.seed, self.device = seed, device
         self.compile_backend = compile_backend
-        compiler = step_compiler(compile_backend, device)
+        self.cuda_graphs = uses_cuda_graphs(compile_backend, device)
+        compiler = step_compiler(compile_backend, self.cuda_graphs)
         self.pad_to_buckets = compiler is not None if pad_to_buckets is None else pad_to_buckets
-        self.update = LocalUpdate(params, self.recipe, compiler)
+        # The update compiles without CUDA graphs: it changes its inputs in place, which CUDA
+        # graphs skip anyway, and a second CUDA-graph function would start a new generation of
+        # the graphs' memory pool that frees the backward's outputs, the gradients it reads
+        # (measured on an H200: "accessing tensor output of CUDAGraphs that has been overwritten").
+        self.update = LocalUpdate(params, self.recipe, step_compiler(compile_backend))
         self.group_size = self.update.group_size
         self._losses = compiler(self._group_losses) if compiler else self._group_losses
         # CAPE draws per slot: None draws from the global RNG (seeded by _key_model_draws)
@@ -233,6 +228,8 @@ class ClientTrainer(ABC):
             for tensor in inputs:
                 for dim in range(1, tensor.dim() - (tensor is inputs.feats)):
                     torch._dynamo.maybe_mark_dynamic(tensor, dim)
+        if self.cuda_graphs:  # the last step's graph outputs (losses, gradients) are consumed
+            torch.compiler.cudagraph_mark_step_begin()
         losses = self._losses(*inputs)
         # A block that layer drop skipped is not in the graph: its gradient is zero (a plain
         # local SGD step leaves it where it is, as an optimizer skips a None gradient).

@@ -7,8 +7,8 @@ also gives the process's CPU seconds per step (wall time is unusable on a shared
 digest of the trained weights and the kernels torch ran (pflbench.numerics): two machines, or two
 settings of ATEN_CPU_CAPABILITY / MKL_CBWR / ONEDNN_MAX_CPU_ISA, with the same digest computed
 the same floats. With a compile backend (`--compile`: inductor), the same steps again with
-torch.compile (CUDA graphs on CUDA) on the loss (forward and CTC, the backward compiled with it)
-and on the optimizer step: their times, the first step's (compilation included) and the
+torch.compile on the loss (forward and CTC, the backward compiled with it; CUDA graphs on CUDA)
+and on the optimizer step (without CUDA graphs, as fl.client's update): their times, the first step's (compilation included) and the
 speed-up over eager; the two take their steps in turn, so that a shared machine's load weighs on
 both alike.
 """
@@ -20,6 +20,7 @@ import time
 import torch
 
 from pflbench.digests import state_digest
+from pflbench.model.compiling import step_compiler, uses_cuda_graphs
 from pflbench.model.transformer import (
     build_model,
     count_parameters,
@@ -63,10 +64,10 @@ class Training:
             self.target_lens = torch.full((batch,), self.targets.shape[1], device=device)
             self.rng = torch.get_rng_state(), torch.cuda.get_rng_state(device) if cuda else None
         self.loss, self.optimizer_step = self._loss, self.opt.step
-        if compile_backend is not None:
-            mode = "reduce-overhead" if cuda and compile_backend == "inductor" else None
-            self.loss = torch.compile(self._loss, backend=compile_backend, mode=mode)
-            self.optimizer_step = torch.compile(self.opt.step, backend=compile_backend, mode=mode)
+        self.cuda_graphs = uses_cuda_graphs(compile_backend, device)
+        if compile_backend is not None:  # the optimizer step without CUDA graphs (fl.client)
+            self.loss = step_compiler(compile_backend, self.cuda_graphs)(self._loss)
+            self.optimizer_step = step_compiler(compile_backend)(self.opt.step)
 
     def _loss(self) -> torch.Tensor:
         log_probs, out_lens = self.model(self.feats, self.feat_lens)
@@ -80,6 +81,8 @@ class Training:
             if cuda:
                 torch.cuda.set_rng_state(self.rng[1], self.device)
             wall, cpu = time.perf_counter(), time.process_time()
+            if self.cuda_graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             self.loss().backward()
             self.optimizer_step()
             self.opt.zero_grad(set_to_none=True)
