@@ -86,6 +86,22 @@ def test_greedy_ids_merge_repeats_drop_blanks_and_padding():
     assert greedy_ids(log_probs, torch.tensor([8, 4])) == [[5, 5, 7, 3], [2, 2]]
 
 
+def test_greedy_transcripts_have_whitespace_normalized_as_references():
+    """A path emitting a space first, two spaces apart (a blank between) and a space last gives the
+    words with single spaces: CER does not count spaces no normalized reference can have."""
+    tok = tokenizer_for("en")
+    space, a, b = tok.encode(" ab")
+    frames = torch.tensor([[space, a, space, 0, space, b, space]])
+    log_probs = torch.nn.functional.one_hot(frames, tok.size).float().log()
+    assert greedy_ids(log_probs, torch.tensor([7]), tok.blank) == [
+        [space, a, space, space, b, space]
+    ]
+    raw = tok.decode([space, a, space, space, b, space])
+    assert score([Transcript("u", "s", "a b", raw)])["cer"] > 0
+    (hypothesis,) = greedy_decode(log_probs, torch.tensor([7]), tok)
+    assert hypothesis == "a b" and score([Transcript("u", "s", "a b", hypothesis)])["cer"] == 0
+
+
 def test_ctc_loss_is_mean_of_per_utterance_losses_and_never_infinite():
     log_probs = torch.randn(2, 5, 6).log_softmax(-1)
     targets = torch.tensor([[1, 2, 0, 0, 0, 0, 0], [3, 3, 3, 3, 3, 3, 3]])  # 2nd: infeasible

@@ -250,7 +250,8 @@ def test_submit_re_accounts_a_bandmf_record_and_catches_a_tampered_one():
     )
     claim = json.loads(json.dumps(privacy_claim(config, run_sigma_dp(config), 1200)))
     assert "BandMF DP-FTRL with 8 bands" in claim["mechanism"] and "Thm. 4" in claim["how"]
-    assert claim["simulated"]["bandmf"]["as_sampled_gaussian"]["steps"] == 80 // 8  # T / bands
+    steps = config.recipe.federated.central_steps
+    assert claim["simulated"]["bandmf"]["as_sampled_gaussian"]["steps"] == steps // 8  # T / bands
     check_record_privacy(claim, config, config.budget, "record")
     tampered = [
         ("extrapolated", "bandmf", "column_norm", 1.5),  # a larger z/‖Ce‖: a smaller ε

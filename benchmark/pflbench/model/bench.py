@@ -8,9 +8,9 @@ digest of the trained weights and the kernels torch ran (pflbench.numerics): two
 settings of ATEN_CPU_CAPABILITY / MKL_CBWR / ONEDNN_MAX_CPU_ISA, with the same digest computed
 the same floats. With a compile backend (`--compile`: inductor), the same steps again with
 torch.compile on the loss (forward and CTC, the backward compiled with it; CUDA graphs on CUDA)
-and on the optimizer step (without CUDA graphs, as fl.client's update): their times, the first step's (compilation included) and the
-speed-up over eager; the two take their steps in turn, so that a shared machine's load weighs on
-both alike.
+and on the optimizer step (without CUDA graphs, as fl.client's update): their times, the first
+step's (compilation included) and the speed-up over eager; the two take their steps in turn, so
+that a shared machine's load weighs on both alike.
 """
 
 from __future__ import annotations

@@ -297,7 +297,11 @@ def greedy_ids(log_probs: Tensor, out_lens: Tensor, blank: int = 0) -> list[list
 
 
 def greedy_decode(log_probs: Tensor, out_lens: Tensor, tokenizer) -> list[str]:
-    return [tokenizer.decode(ids) for ids in greedy_ids(log_probs, out_lens, tokenizer.blank)]
+    """Best-path transcripts, whitespace normalized as references are: the path may emit a space
+    at either end or two in a row (a blank between them), which CER would count as errors of
+    characters no reference has (numerics v3)."""
+    ids = greedy_ids(log_probs, out_lens, tokenizer.blank)
+    return [" ".join(tokenizer.decode(row).split()) for row in ids]
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from pflbench.errors import UserError
+from pflbench.numerics import NUMERICS_VERSION
 from pflbench.results.rescore import differences, first_difference
-from pflbench.results.schema import ResultRecord, load_record
+from pflbench.results.schema import ResultRecord, load_record, record_numerics_version
 from pflbench.results.submit import what_ran, within_statement_slack
 from pflbench.results.sweep import PlannedRun
 
@@ -55,12 +56,23 @@ def run_setup(record: ResultRecord) -> dict[str, Any]:
     }
 
 
-def why_not_rerunnable(record: ResultRecord, cuda_available: bool) -> str | None:
-    """None where this machine can re-run the record, else why not."""
+def why_not_rerunnable(
+    record: ResultRecord, cuda_available: bool, task_version: int | None
+) -> str | None:
+    """None where this machine can re-run the record, else why not. `task_version`: the
+    registry's version of the record's task. A stale row (an older task version or numerics)
+    ran another recipe or other code: this pflbench cannot give its numbers again."""
     if record.kind != "run":
         return "a paper's reference row"
     if (record.compute.device or "cpu").startswith("cuda") and not cuda_available:
         return "run on CUDA; no GPU here"
+    if task_version is not None and record.task.version != task_version:
+        return f"run on task version {record.task.version}; the task is version {task_version} now"
+    if record_numerics_version(record) != NUMERICS_VERSION:
+        return (
+            f"run by code of numerics version {record_numerics_version(record)}; this pflbench "
+            f"computes as version {NUMERICS_VERSION}"
+        )
     return None
 
 
