@@ -45,7 +45,10 @@ PLATFORMS = [
     "manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
     "manylinux2014_x86_64", "manylinux1_x86_64",
 ]  # fmt: skip
-LIMIT = 64 * 2**20  # what may travel with one call, tree and carried paths together
+# What may travel with one call, tree and carried paths together: 64 MiB by the tool's README,
+# but it refused 63.1 MiB (the tree and this kit) on 2026-11-27 and took 56.3, so 60 is the
+# bound checked here.
+LIMIT = 60 * 2**20
 
 
 def pinned(names: list[str]) -> list[str]:
