@@ -119,9 +119,10 @@ def main() -> None:
     kit = sum(w.stat().st_size for w in wheels)
     tree = tree_bytes()
     print(f"{len(wheels)} wheels, {kit / 2**20:.1f} MiB in {KIT.relative_to(ROOT)}")
-    print(f"working tree {tree / 2**20:.1f} MiB; together {(kit + tree) / 2**20:.1f} of 64 MiB")
+    together, limit = (kit + tree) / 2**20, LIMIT / 2**20
+    print(f"working tree {tree / 2**20:.1f} MiB; together {together:.1f} of {limit:.0f} MiB")
     if kit + tree > LIMIT:
-        sys.exit("over the device tool's 64 MiB: the call would be refused")
+        sys.exit(f"over {limit:.0f} MiB: the device tool would refuse the call")
 
 
 if __name__ == "__main__":
