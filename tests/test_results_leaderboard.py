@@ -333,6 +333,36 @@ def test_a_declared_matrix_must_be_filed_whole(tmp_path):
     assert "sweep: no folder of sweep files" in str(result.exception)
 
 
+def test_a_matrix_still_being_filed_is_announced_under_its_task(tmp_path):
+    """Sweep files in sweeps/to-run/ declare runs of the task's version that are not filed yet:
+    the leaderboard says under the task's title how many are filed and how many are still to run
+    (a bumped task files its matrix over several sessions), and says nothing without them."""
+    registry = load_registry([FX_SPECS])
+    root, to_run = tmp_path / "results", tmp_path / "sweeps" / "to-run"
+    to_run.mkdir(parents=True)
+    current = resolve(registry, "fx-task", "fedavg", "fx-nodp", 0, []).model_dump(mode="json")
+    _file_run(root, current)
+    older = resolve(registry, "fx-task", "fedavg", "fx-nodp", 1, []).model_dump(mode="json")
+    older["task"]["version"] -= 1  # a stale row: not one of this version's filed runs
+    _file_run(root, older)
+    groups = [
+        {"baselines": ["fedavg"], "budgets": ["fx-nodp"], "seeds": [1, 2]},
+        {"baselines": ["fedavg"], "budgets": ["fx-nodp"], "set": ["federated.cohort_size=4"]},
+    ]
+    (to_run / "fx.yaml").write_text(json.dumps({"task": "fx-task", "groups": groups}))
+    board = tmp_path / "lb.md"
+    args = ["leaderboard", "--results", str(root), "--specs", str(FX_SPECS), "--output", str(board)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    version = registry.task("fx-task").spec.version
+    title = f"## fx-task (v{version})\n\n**Task v{version}'s matrix is being filed**: 1 of its runs"
+    assert title in board.read_text()
+    assert "are filed, 3 more are declared in `sweeps/to-run/`" in board.read_text()
+    (to_run / "fx.yaml").unlink()
+    assert CliRunner().invoke(app, args).exit_code == 0
+    assert "being filed" not in board.read_text()
+
+
 # ----------------------------------------------------------------------------------------------
 # The repository's own results/
 

@@ -53,6 +53,34 @@ def _check_declared(records, results: Path, sweeps: Path | None, registry) -> No
         check_declared_seeds(records, load_sweep_folder(folder), registry)
 
 
+def _pending_notes(records, results: Path, sweeps: Path | None, registry) -> dict[str, str]:
+    """Per task, a note of the runs that the sweep files in `to-run/` (beside the filed matrix's)
+    declare and that are not filed yet: a task's new version files its matrix over several
+    sessions, and a reader must see that its table is partial (docs/RESULTS.md)."""
+    from pflbench.results.sweep import load_sweep_folder, plan_sweep_file
+
+    folder = (sweeps or Path(results).parent / "sweeps") / "to-run"
+    if not folder.is_dir():
+        return {}
+    pending: dict[str, list[int]] = {}
+    for _, sweep in load_sweep_folder(folder):
+        counts = pending.setdefault(sweep.task, [])
+        counts.append(len(plan_sweep_file(sweep, Path("runs"))))
+    notes = {}
+    for task, counts in pending.items():
+        version = registry.task(task).spec.version
+        filed = sum(r.kind == "run" and r.task.name == task and r.task.version == version
+                    for r in records)  # fmt: skip
+        notes[task] = (
+            f"**Task v{version}'s matrix is being filed**: {filed} of its runs are filed, "
+            f"{sum(counts)} more are declared in `sweeps/to-run/` and still to run (`pflbench "
+            "sweep --file sweeps/to-run/FILE --jobs 2`). Until they are, rows of the older "
+            "version stand in, marked stale, and comparisons that need the missing rows are "
+            "missing below."
+        )
+    return notes
+
+
 def _split(text: str, what: str) -> list[str]:
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
@@ -220,6 +248,7 @@ def register(app: typer.Typer) -> None:
             budgets,
             {t: "\n".join(filter(None, (links.get(t), validity.get(t)))) for t in links | validity},
             reevaluated_ids(files),
+            _pending_notes(records, results, sweeps, registry),
         )
         if check:
             if not leaderboard_is_current(output, text):

@@ -505,11 +505,13 @@ def render_leaderboard(
     budgets: dict[str, Budget] | None = None,
     sections: dict[str, str] | None = None,
     reevaluated: set[str] | None = None,
+    notes: dict[str, str] | None = None,
 ) -> str:
     """sections: extra markdown appended to a task's section (the validity report);
     reevaluated: ids of records filed with a verification stamp that agrees with them
-    (verify.reevaluated_ids)."""
+    (verify.reevaluated_ids); notes: markdown under a task's title (a matrix still being filed)."""
     task_versions, budgets, sections = task_versions or {}, budgets or {}, sections or {}
+    notes = notes or {}
     by_task: dict[str, list[ResultRecord]] = {}
     for record in records:
         by_task.setdefault(record.task.name, []).append(record)
@@ -522,6 +524,8 @@ def render_leaderboard(
         roles = {n: r.role for rec in task_records for n, r in rec.metrics.final.items()}
         title = f"## {task}" + (f" (v{version})" if version is not None else "")
         parts.append(f"{title}\n")
+        if task in notes:
+            parts.append(f"{notes[task]}\n")
         by_budget: dict[str, list[ResultRecord]] = {}
         for record in task_records:
             by_budget.setdefault(record.budget, []).append(record)
