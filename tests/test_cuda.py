@@ -21,19 +21,25 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 AUGMENT = SpecAugmentRecipe(freq_masks=1, freq_width=8, time_masks=1, time_width=10)
 
 
-def test_group_updates_equal_one_client_at_a_time_on_cuda(tiny_task_data):
-    """G clients at once (vmap, bf16 autocast, CUDA CAPE generators) = one at a time, up to
-    bf16 rounding (the padded shapes differ, so the bf16 matmuls round differently)."""
+def _clients_on_cuda(data, count: int):
+    """The tiny model, its parameter names, a client algorithm (3 local steps of lr 0.5), the
+    global weights on the GPU and the `count` largest clients with their utterances."""
     torch.manual_seed(0)
-    model = build_model("tiny", tiny_task_data.tokenizer.size)
+    model = build_model("tiny", data.tokenizer.size)
     recipe = ClientRecipe(batch_seconds=6.0, lr=0.5, local_steps=3)
     names = [n for n, _ in model.named_parameters()]
     global_params = [p.detach().cuda() for p in model.parameters()]
-    store = tiny_task_data.federated_train
-    users = sorted(store.users(), key=lambda u: (-store.user_num_utterances(u), u))[:3]
+    store = data.federated_train
+    users = sorted(store.users(), key=lambda u: (-store.user_num_utterances(u), u))[:count]
     clients = [(u, store.load_user(u)) for u in users]
-
     algorithm = make_algorithm(recipe, model, names, seed=7, device="cuda")
+    return model, names, algorithm, global_params, clients
+
+
+def test_group_updates_equal_one_client_at_a_time_on_cuda(tiny_task_data):
+    """G clients at once (vmap, bf16 autocast, CUDA CAPE generators) = one at a time, up to
+    bf16 rounding (the padded shapes differ, so the bf16 matmuls round differently)."""
+    model, names, algorithm, global_params, clients = _clients_on_cuda(tiny_task_data, 3)
     one = SequentialClientTrainer(model, names, algorithm, AUGMENT, seed=7, device="cuda")
     expected = {
         u: {k: v.clone() for k, v in r.update.items()}
@@ -93,15 +99,7 @@ def test_compiled_local_steps_under_cuda_graphs_equal_eager(tiny_task_data, grou
     three local steps and two groups in a row. With the update as a second CUDA-graph function,
     its first call freed the backward's gradients it was reading (an H200, 2026-11-27: "accessing
     tensor output of CUDAGraphs that has been overwritten by a subsequent run")."""
-    torch.manual_seed(0)
-    model = build_model("tiny", tiny_task_data.tokenizer.size)
-    recipe = ClientRecipe(batch_seconds=6.0, lr=0.5, local_steps=3)
-    names = [n for n, _ in model.named_parameters()]
-    global_params = [p.detach().cuda() for p in model.parameters()]
-    store = tiny_task_data.federated_train
-    users = sorted(store.users(), key=lambda u: (-store.user_num_utterances(u), u))[:4]
-    clients = [(u, store.load_user(u)) for u in users]
-    algorithm = make_algorithm(recipe, model, names, seed=7, device="cuda")
+    model, names, algorithm, global_params, clients = _clients_on_cuda(tiny_task_data, 4)
 
     def updates(**options) -> dict:
         args = (model, names, algorithm, AUGMENT, 7, "cuda")
