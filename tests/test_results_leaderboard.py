@@ -24,6 +24,7 @@ from pflbench.results.leaderboard import (
     render_leaderboard,
 )
 from pflbench.results.schema import compute_record_id, schema_json
+from pflbench.results.sweep import load_sweep_file
 from pflbench.results.verify import reevaluated_ids
 from pflbench.spec.models import Budget
 from pflbench.spec.registry import load_registry
@@ -361,6 +362,54 @@ def test_a_matrix_still_being_filed_is_announced_under_its_task(tmp_path):
     (to_run / "fx.yaml").unlink()
     assert CliRunner().invoke(app, args).exit_code == 0
     assert "being filed" not in board.read_text()
+
+
+def test_split_sweeps_moves_what_is_filed_into_the_manifest(tmp_path):
+    """`pflbench results split-sweeps`: the filed (configuration, seed) pairs of sweeps/to-run/
+    move into the manifest of the same name, which the leaderboard then holds the results to;
+    what is left stays to run; a file with nothing filed is left as written, one with nothing
+    left goes."""
+    registry = load_registry([FX_SPECS])
+    root, sweeps = tmp_path / "results", tmp_path / "sweeps"
+    (sweeps / "to-run").mkdir(parents=True)
+    groups = [
+        {"baselines": ["fedavg"], "budgets": ["fx-nodp"], "seeds": [0, 1, 2]},
+        {"baselines": ["fedavg"], "budgets": ["fx-nodp"], "set": ["federated.cohort_size=4"]},
+    ]
+    to_run = sweeps / "to-run" / "fx.yaml"
+    declared = json.dumps({"task": "fx-task", "groups": groups})
+    to_run.write_text(f"# the matrix, commented\n{declared}")
+    args = ["--results", str(root), "--specs", str(FX_SPECS), "--sweeps", str(sweeps)]
+
+    def split() -> str:
+        result = CliRunner().invoke(app, ["results", "split-sweeps", *args])
+        assert result.exit_code == 0, result.output
+        return result.output
+
+    def file(seed: int, sets: list[str]) -> None:
+        config = resolve(registry, "fx-task", "fedavg", "fx-nodp", seed, sets)
+        _file_run(root, config.model_dump(mode="json"))
+
+    file(0, [])
+    older = resolve(registry, "fx-task", "fedavg", "fx-nodp", 1, []).model_dump(mode="json")
+    older["task"]["version"] -= 1  # another version's run does not file this one's seed 1
+    _file_run(root, older)
+    assert "nothing of it is filed yet" not in split()
+    manifest = load_sweep_file(sweeps / "fx.yaml")
+    assert [(g.seeds, g.set) for g in manifest.groups] == [([0], [])]
+    left = load_sweep_file(to_run)
+    assert [(g.seeds, g.set) for g in left.groups] == [([1, 2], []), ([0], groups[1]["set"])]
+    board = ["leaderboard", "--output", str(tmp_path / "lb.md"), *args]
+    assert CliRunner().invoke(app, board).exit_code == 0  # the manifest is filed whole
+    text = to_run.read_text()
+    assert "nothing of it is filed yet" in split() and to_run.read_text() == text
+    for seed, sets in [(1, []), (2, []), (0, ["federated.cohort_size=4"])]:
+        file(seed, sets)
+    assert "3 filed runs moved" in split() and not to_run.exists()
+    manifest = load_sweep_file(sweeps / "fx.yaml")
+    filed = {(seed, tuple(g.set)) for g in manifest.groups for seed in g.seeds}
+    assert filed == {(0, ()), (1, ()), (2, ()), (0, ("federated.cohort_size=4",))}
+    assert CliRunner().invoke(app, board).exit_code == 0
 
 
 # ----------------------------------------------------------------------------------------------

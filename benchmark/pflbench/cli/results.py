@@ -53,6 +53,15 @@ def _check_declared(records, results: Path, sweeps: Path | None, registry) -> No
         check_declared_seeds(records, load_sweep_folder(folder), registry)
 
 
+MANIFEST_HEADER = """The filed part of this task's declared matrix: `pflbench leaderboard` and
+`results validate` hold results/ to it. `pflbench results split-sweeps` moved each group here
+from sweeps/to-run/{name} once its runs were filed (docs/RESULTS.md)."""
+TO_RUN_HEADER = """What is declared of this task's matrix and not yet filed (docs/RESULTS.md):
+    pflbench sweep --file sweeps/to-run/{name} --jobs 2
+then `pflbench submit` the runs and `pflbench results split-sweeps`, which moves them into
+sweeps/{name} and rewrites this file."""
+
+
 def _pending_notes(records, results: Path, sweeps: Path | None, registry) -> dict[str, str]:
     """Per task, a note of the runs that the sweep files in `to-run/` (beside the filed matrix's)
     declare and that are not filed yet: a task's new version files its matrix over several
@@ -438,6 +447,52 @@ def register(app: typer.Typer) -> None:
             if record.kind == "run":
                 stale += validate_record(record, raw, registry, str(path), stale_ok=True)
         console.print(f"{len(found)} records valid ({stale} stale)", highlight=False)
+
+    @group.command("split-sweeps")
+    def split_sweeps(
+        results: Path = ResultsOption,
+        specs: list[Path] = SpecsOption,
+        plugins: list[str] = PluginOption,
+        sweeps: Path = SweepsOption,
+    ) -> None:
+        """Move what is filed of the sweep files in sweeps/to-run/ (declared, not yet run) into
+        the manifest of the same name in sweeps/, one group per configuration: a task's new
+        version files its matrix over several sessions (docs/RESULTS.md). A to-run file with
+        nothing left is removed. Then `pflbench leaderboard` holds results/ to the manifest."""
+        from pflbench.results.leaderboard import load_results
+        from pflbench.results.sweep import (
+            SweepFile,
+            load_sweep_file,
+            load_sweep_folder,
+            split_filed,
+            write_sweep_file,
+        )
+
+        registry = _registry(specs, plugins)
+        records = load_results(results)
+        folder = sweeps or Path(results).parent / "sweeps"
+        to_run = folder / "to-run"
+        if not to_run.is_dir():
+            raise UserError(f"{to_run}: no folder of sweep files still to run")
+        for path, sweep in load_sweep_folder(to_run):
+            done, left = split_filed(sweep, records, registry, str(path))
+            if not done:  # left as written, its comments with it
+                console.print(f"{path}: nothing of it is filed yet", highlight=False)
+                continue
+            manifest = folder / path.name
+            groups = list(load_sweep_file(manifest).groups) if manifest.is_file() else []
+            filed = SweepFile(task=sweep.task, description=sweep.description,
+                              groups=groups + done)  # fmt: skip
+            write_sweep_file(manifest, filed, MANIFEST_HEADER.format(name=path.name))
+            if left:
+                rest = SweepFile(task=sweep.task, description=sweep.description, groups=left)
+                write_sweep_file(path, rest, TO_RUN_HEADER.format(name=path.name))
+            else:
+                path.unlink()
+            moved, to_go = sum(len(g.seeds) for g in done), sum(len(g.seeds) for g in left)
+            console.print(
+                f"{path}: {moved} filed runs moved to {manifest}; {to_go} left", highlight=False
+            )
 
     @group.command("rescore")
     def rescore(

@@ -161,6 +161,42 @@ def check_declared_seeds(
         )
 
 
+def split_filed(
+    sweep: SweepFile, records: list[ResultRecord], registry: Registry, where: str
+) -> tuple[list[SweepGroup], list[SweepGroup]]:
+    """The sweep's runs split into those filed (a record of today's task version and numerics
+    with that configuration and seed) and those still to run, one group per configuration: how a
+    matrix filed over several sessions moves from sweeps/to-run/ into the manifest, sweeps/."""
+    filed = {
+        (_matrix_key(r.config, f"record {r.record_id}"), r.seed)
+        for r in records
+        if r.kind == "run" and r.config is not None
+        and record_numerics_version(r) == NUMERICS_VERSION
+    }  # fmt: skip
+    done: list[SweepGroup] = []
+    left: list[SweepGroup] = []
+    for group in sweep.groups:
+        for baseline in group.baselines:
+            for budget in group.budgets:
+                config = resolve(registry, sweep.task, baseline, budget, 0, group.set)
+                key = _matrix_key(config.model_dump(mode="json"), where)
+                for part, keep in ((done, True), (left, False)):
+                    seeds = [s for s in group.seeds if ((key, s) in filed) == keep]
+                    if seeds:
+                        part.append(SweepGroup(baselines=[baseline], budgets=[budget],
+                                               seeds=seeds, set=group.set))  # fmt: skip
+    return done, left
+
+
+def write_sweep_file(path: Path, sweep: SweepFile, header: str) -> None:
+    """`sweep` as YAML under a comment `header` (what wrote it and why)."""
+    comment = "".join(f"# {line}\n".replace("# \n", "#\n") for line in header.splitlines())
+    body = yaml.safe_dump(
+        sweep.model_dump(mode="json"), sort_keys=False, width=100, default_flow_style=None
+    )
+    Path(path).write_text(comment + body, encoding="utf-8")
+
+
 def plan_sweep_file(sweep: SweepFile, out_root: Path, run_args: tuple[str, ...] = ()):
     """Every group's grid, in file order (so the first groups finish first), without repeats."""
     plan: dict[Path, PlannedRun] = {}
