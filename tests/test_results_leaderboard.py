@@ -351,6 +351,8 @@ def test_a_matrix_still_being_filed_is_announced_under_its_task(tmp_path):
         {"baselines": ["fedavg"], "budgets": ["fx-nodp"], "set": ["federated.cohort_size=4"]},
     ]
     (to_run / "fx.yaml").write_text(json.dumps({"task": "fx-task", "groups": groups}))
+    filed = [{"baselines": ["fedavg"], "budgets": ["fx-nodp"], "seeds": [0]}]
+    (to_run.parent / "fx.yaml").write_text(json.dumps({"task": "fx-task", "groups": filed}))
     board = tmp_path / "lb.md"
     args = ["leaderboard", "--results", str(root), "--specs", str(FX_SPECS), "--output", str(board)]
     result = CliRunner().invoke(app, args)
@@ -390,6 +392,12 @@ def test_split_sweeps_moves_what_is_filed_into_the_manifest(tmp_path):
         config = resolve(registry, "fx-task", "fedavg", "fx-nodp", seed, sets)
         _file_run(root, config.model_dump(mode="json"))
 
+    board = ["leaderboard", "--output", str(tmp_path / "lb.md"), *args]
+    file(7, [])  # a seed no sweep file declares, filed while the matrix is being filed
+    refused = str(CliRunner().invoke(app, board).exception)
+    assert "seed 7): no sweep file in sweeps/ or sweeps/to-run/ declares it" in refused, refused
+    for path in root.rglob("*.json"):
+        path.unlink()
     file(0, [])
     older = resolve(registry, "fx-task", "fedavg", "fx-nodp", 1, []).model_dump(mode="json")
     older["task"]["version"] -= 1  # another version's run does not file this one's seed 1
@@ -399,12 +407,15 @@ def test_split_sweeps_moves_what_is_filed_into_the_manifest(tmp_path):
     assert [(g.seeds, g.set) for g in manifest.groups] == [([0], [])]
     left = load_sweep_file(to_run)
     assert [(g.seeds, g.set) for g in left.groups] == [([1, 2], []), ([0], groups[1]["set"])]
-    board = ["leaderboard", "--output", str(tmp_path / "lb.md"), *args]
     assert CliRunner().invoke(app, board).exit_code == 0  # the manifest is filed whole
     text = to_run.read_text()
     assert "nothing of it is filed yet" in split() and to_run.read_text() == text
     for seed, sets in [(1, []), (2, []), (0, ["federated.cohort_size=4"])]:
         file(seed, sets)
+    # Filed but not moved yet: the leaderboard and validate refuse until split-sweeps runs.
+    for command in (board, ["results", "validate", *args]):
+        refused = str(CliRunner().invoke(app, command).exception)
+        assert "seeds [1, 2] are filed and still declared to run by" in refused, refused
     assert "3 filed runs moved" in split() and not to_run.exists()
     manifest = load_sweep_file(sweeps / "fx.yaml")
     filed = {(seed, tuple(g.set)) for g in manifest.groups for seed in g.seeds}

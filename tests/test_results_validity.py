@@ -22,7 +22,6 @@ from pflbench.results.validity import (
     table_report,
 )
 from pflbench.spec.models import Budget
-from pflbench.spec.registry import load_registry
 
 GOLDEN = Path(__file__).parent / "fixtures" / "results" / "golden" / "results"
 BUDGETS = {
@@ -303,8 +302,8 @@ def test_cli_validity_of_the_repository_reports_the_tuned_settings():
     assert result.exit_code == 0, result.output
     (table,) = json.loads(result.output)
     tuned = {c["baseline"]: c["tuned_on_dev"] for c in table["configurations"] if c["tuned_on_dev"]}
-    if not tuned and not server_lr_runs_filed():
-        pytest.skip("the current task version's server-lr sweep is not filed yet")
+    if matrix_being_filed():
+        pytest.skip("the task's current version is still filing its matrix (sweeps/to-run/)")
     assert {"server-adam", "server-adagrad", "server-lars", "server-sgd"} <= set(tuned)
     for settings in tuned.values():
         dev = [s["dev_wer"] for s in settings]
@@ -313,14 +312,7 @@ def test_cli_validity_of_the_repository_reports_the_tuned_settings():
     assert markdown.exit_code == 0 and "Tuned on the dev split" in markdown.output
 
 
-def server_lr_runs_filed() -> bool:
-    """Whether the repository holds a run of the embedded task's current version with a server lr
-    set (its server-lr sweep): a bumped task files its matrix over several sessions."""
-    version = load_registry().task("synth-cv-en-ls-seed").spec.version
-    return any(
-        r.kind == "run"
-        and r.task.name == "synth-cv-en-ls-seed"
-        and r.task.version == version
-        and "federated.server.lr" in ((r.config or {}).get("overrides") or {})
-        for r in load_results(Path(__file__).parents[1] / "results")
-    )
+def matrix_being_filed() -> bool:
+    """Whether the embedded task's current version is still filing its matrix (sweeps/to-run/):
+    its server-lr rows, and the baselines' rows they are tuned against, may not all be filed."""
+    return (Path(__file__).parents[1] / "sweeps" / "to-run").is_dir()

@@ -281,6 +281,10 @@ def test_resuming_on_another_thread_count_or_device_is_refused(env, tmp_path, mo
         save_checkpoint(path, tensors, meta | {"setup": meta["setup"] | {"device": "cuda"}})
         with pytest.raises(UserError, match="device cuda, this process has cpu"):
             run(config, out_dir=run_dir, resume=True, options=RunOptions(progress=False))
+        # Code whose numbers have changed since (numerics) would finish another computation.
+        save_checkpoint(path, tensors, meta | {"numerics": meta["numerics"] - 1})
+        with pytest.raises(UserError, match="began under code of numerics version"):
+            run(config, out_dir=run_dir, resume=True, options=RunOptions(progress=False))
         save_checkpoint(path, tensors, meta)
         run(config, out_dir=run_dir, resume=True, options=RunOptions(progress=False))
         assert (run_dir / "DONE").exists()

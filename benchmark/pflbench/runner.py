@@ -41,6 +41,7 @@ from pflbench.fl.freeze import trained_tensors
 from pflbench.fl.simulator import Simulator
 from pflbench.methods import check_recipe
 from pflbench.metrics_log import MetricsLog
+from pflbench.numerics import NUMERICS_CHANGES, NUMERICS_VERSION
 from pflbench.plugins import loaded_plugins
 from pflbench.privacy.run import check_run_privacy, epsilon_so_far, privacy_claim, run_sigma_dp
 from pflbench.privacy.sampling import sampling_rate
@@ -337,7 +338,12 @@ def _save_step_checkpoint(p: Prepared, step: int, tensors: dict, meta: dict) -> 
 
 def _checkpoint_carry(p: Prepared) -> dict:
     """What every checkpoint of a run carries, for _check_resumable."""
-    return {"config_hash": p.config_hash, "inputs": p.inputs, "setup": _setup(p)}
+    return {
+        "config_hash": p.config_hash,
+        "inputs": p.inputs,
+        "setup": _setup(p),
+        "numerics": NUMERICS_VERSION,
+    }
 
 
 def _setup(p: Prepared) -> dict:
@@ -368,6 +374,13 @@ def _check_resumable(p: Prepared, meta: dict) -> None:
             f"{run_dir} began on other inputs than it would resume on ({', '.join(changed)} "
             "changed since its last checkpoint): one record would mix two runs. Restore them, "
             "or start the run again in a new folder"
+        )
+    numerics = meta.get("numerics")
+    if numerics is not None and numerics != NUMERICS_VERSION:
+        raise UserError(
+            f"{run_dir} began under code of numerics version {numerics}; this pflbench computes "
+            f"as version {NUMERICS_VERSION} ({NUMERICS_CHANGES.get(NUMERICS_VERSION, '')}): one "
+            "record would mix the two. Start the run again in a new folder"
         )
     how = {
         "device": "--device",

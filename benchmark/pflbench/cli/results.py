@@ -45,12 +45,16 @@ def _registry(specs: list[Path] | None, plugins: list[str] | None = None):
 
 def _check_declared(records, results: Path, sweeps: Path | None, registry) -> None:
     """The declared matrices are filed whole (results.sweep.check_declared_seeds): those of
-    --sweeps, or of sweeps/ beside the results folder where there is one."""
-    from pflbench.results.sweep import check_declared_seeds, load_sweep_folder
+    --sweeps, or of sweeps/ beside the results folder where there is one; and a matrix still
+    being filed (its to-run/) agrees with what is filed (results.sweep.check_to_run)."""
+    from pflbench.results.sweep import check_declared_seeds, check_to_run, load_sweep_folder
 
     folder = sweeps or Path(results).parent / "sweeps"
     if sweeps is not None or folder.is_dir():
-        check_declared_seeds(records, load_sweep_folder(folder), registry)
+        manifest = load_sweep_folder(folder)
+        if (folder / "to-run").is_dir():  # first: its refusal says what to run to fix it
+            check_to_run(records, manifest, load_sweep_folder(folder / "to-run"), registry)
+        check_declared_seeds(records, manifest, registry)
 
 
 MANIFEST_HEADER = """The filed part of this task's declared matrix: `pflbench leaderboard` and
@@ -66,23 +70,28 @@ def _pending_notes(records, results: Path, sweeps: Path | None, registry) -> dic
     """Per task, a note of the runs that the sweep files in `to-run/` (beside the filed matrix's)
     declare and that are not filed yet: a task's new version files its matrix over several
     sessions, and a reader must see that its table is partial (docs/RESULTS.md)."""
-    from pflbench.results.sweep import load_sweep_folder, plan_sweep_file
+    from pflbench.numerics import NUMERICS_VERSION
+    from pflbench.results.schema import record_numerics_version
+    from pflbench.results.sweep import load_sweep_folder, split_filed
 
     folder = (sweeps or Path(results).parent / "sweeps") / "to-run"
     if not folder.is_dir():
         return {}
-    pending: dict[str, list[int]] = {}
-    for _, sweep in load_sweep_folder(folder):
-        counts = pending.setdefault(sweep.task, [])
-        counts.append(len(plan_sweep_file(sweep, Path("runs"))))
+    left: dict[str, int] = {}
+    for path, sweep in load_sweep_folder(folder):
+        _, groups = split_filed(sweep, records, registry, str(path))
+        left[sweep.task] = left.get(sweep.task, 0) + sum(len(g.seeds) for g in groups)
     notes = {}
-    for task, counts in pending.items():
+    for task, count in left.items():
         version = registry.task(task).spec.version
-        filed = sum(r.kind == "run" and r.task.name == task and r.task.version == version
-                    for r in records)  # fmt: skip
+        filed = sum(
+            r.kind == "run" and r.task.name == task and r.task.version == version
+            and record_numerics_version(r) == NUMERICS_VERSION
+            for r in records
+        )  # fmt: skip
         notes[task] = (
             f"**Task v{version}'s matrix is being filed**: {filed} of its runs are filed, "
-            f"{sum(counts)} more are declared in `sweeps/to-run/` and still to run (`pflbench "
+            f"{count} more are declared in `sweeps/to-run/` and still to run (`pflbench "
             "sweep --file sweeps/to-run/FILE --jobs 2`). Until they are, rows of the older "
             "version stand in, marked stale, and comparisons that need the missing rows are "
             "missing below."
@@ -596,7 +605,11 @@ def register(app: typer.Typer) -> None:
             candidates = [item for item in filed.values() if why_not(item[1]) is None]
             chosen = sample_records(candidates, sample, sample_key, max_wall_seconds)
             if not chosen:
-                raise UserError(f"no record in {results} to re-run within --max-wall-seconds")
+                raise UserError(
+                    f"no record in {results} to re-run: of {len(filed)}, {len(candidates)} can be"
+                    " re-run here (not a paper's row, a stale row or a CUDA run without a GPU),"
+                    f" and none of them ran within --max-wall-seconds {max_wall_seconds}"
+                )
         passthrough = [arg for path in specs or [] for arg in ("--specs", str(path))]
         passthrough += [arg for name in plugin or [] for arg in ("--plugin", name)]
         if data_root is not None:

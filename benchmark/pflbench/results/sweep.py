@@ -175,17 +175,69 @@ def split_filed(
     }  # fmt: skip
     done: list[SweepGroup] = []
     left: list[SweepGroup] = []
+    seen: set[tuple[str, int]] = set()  # a run two groups declare is one run
     for group in sweep.groups:
         for baseline in group.baselines:
             for budget in group.budgets:
                 config = resolve(registry, sweep.task, baseline, budget, 0, group.set)
                 key = _matrix_key(config.model_dump(mode="json"), where)
+                new = [s for s in dict.fromkeys(group.seeds) if (key, s) not in seen]
+                seen.update((key, s) for s in new)
                 for part, keep in ((done, True), (left, False)):
-                    seeds = [s for s in group.seeds if ((key, s) in filed) == keep]
+                    seeds = [s for s in new if ((key, s) in filed) == keep]
                     if seeds:
                         part.append(SweepGroup(baselines=[baseline], budgets=[budget],
                                                seeds=seeds, set=group.set))  # fmt: skip
     return done, left
+
+
+def check_to_run(
+    records: list[ResultRecord],
+    manifest: list[tuple[Path, SweepFile]],
+    to_run: list[tuple[Path, SweepFile]],
+    registry: Registry,
+) -> None:
+    """While a task's matrix is filed over sessions (sweeps/to-run/): no filed run is still
+    declared to run (`pflbench results split-sweeps` moves it), and every filed run of the task's
+    version is declared by the manifest or to-run, so no run beside the declared ones (a seed or
+    configuration picked after the fact) joins the rows."""
+    problems = []
+    for path, sweep in to_run:
+        done, _ = split_filed(sweep, records, registry, str(path))
+        problems += [
+            f"{sweep.task} {g.baselines[0]} @ {g.budgets[0]}{''.join(f' --set {x}' for x in g.set)}"
+            f": seeds {g.seeds} are filed and still declared to run by {path} (run `pflbench "
+            "results split-sweeps`)"
+            for g in done
+        ]
+    declared: set[tuple[str, int]] = set()
+    for path, sweep in manifest + to_run:
+        if sweep.task not in {s.task for _, s in to_run}:
+            continue
+        for group in sweep.groups:
+            for baseline in group.baselines:
+                for budget in group.budgets:
+                    config = resolve(registry, sweep.task, baseline, budget, 0, group.set)
+                    key = _matrix_key(config.model_dump(mode="json"), str(path))
+                    declared.update((key, seed) for seed in group.seeds)
+    for r in records:
+        if (
+            r.kind == "run" and r.config is not None
+            and r.task.name in {s.task for _, s in to_run}
+            and r.task.version == registry.task(r.task.name).spec.version
+            and record_numerics_version(r) == NUMERICS_VERSION
+            and (_matrix_key(r.config, f"record {r.record_id}"), r.seed) not in declared
+        ):  # fmt: skip
+            problems.append(
+                f"record {r.record_id} ({r.task.name} v{r.task.version} {r.baseline} @ "
+                f"{r.budget}, seed {r.seed}): no sweep file in sweeps/ or sweeps/to-run/ "
+                "declares it"
+            )
+    if problems:
+        raise UserError(
+            "the filed results and the matrix still being filed disagree:\n  "
+            + "\n  ".join(problems)
+        )
 
 
 def write_sweep_file(path: Path, sweep: SweepFile, header: str) -> None:

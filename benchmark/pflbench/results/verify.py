@@ -38,6 +38,7 @@ from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
 from pflbench.evaluate import eval_summary, evaluate_task
 from pflbench.files import atomic_write_text
+from pflbench.numerics import NUMERICS_CHANGES, NUMERICS_VERSION
 from pflbench.results.leaderboard import VERIFICATION_FILE, filed_dir
 from pflbench.results.record import cpu_info, device_name
 from pflbench.results.rescore import (
@@ -54,6 +55,7 @@ from pflbench.results.schema import (
     Strict,
     load_record,
     read_json_file,
+    record_numerics_version,
 )
 from pflbench.results.submit import check_config
 from pflbench.rundir import HYPOTHESES_DIR, hypotheses_content, is_done
@@ -153,6 +155,13 @@ def verify_run(
     record, raw = load_record(run_dir / "record.json")
     if record.kind != "run":
         raise UserError(f"{where}: only run records can be verified (kind is {record.kind!r})")
+    if record_numerics_version(record) != NUMERICS_VERSION:  # its transcripts decode otherwise
+        raise UserError(
+            f"{where}: the run's code computed numbers as numerics version "
+            f"{record_numerics_version(record)}, this pflbench as {NUMERICS_VERSION} "
+            f"({NUMERICS_CHANGES.get(NUMERICS_VERSION, '')}): verify it with the pflbench that "
+            "ran it"
+        )
     outputs = record.outputs
     config = check_config(record, raw, where)
     final = run_dir / "checkpoints" / "final.safetensors"
