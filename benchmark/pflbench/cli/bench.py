@@ -96,8 +96,8 @@ def register(app: typer.Typer) -> None:
         compile_step: bool = typer.Option(
             False,
             "--compile",
-            help="Compile the local step (torch.compile; CUDA graphs on CUDA) and time it against"
-            " the eager step (speed-up, compile time).",
+            help="Compile the local step (torch.compile; the loss under CUDA graphs on CUDA) and"
+            " time it against the eager step (speed-up, compile time).",
         ),
         as_json: bool = JsonOption,
     ) -> None:

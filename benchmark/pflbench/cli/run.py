@@ -131,9 +131,9 @@ def register(app: typer.Typer) -> None:
         compile_step: bool = typer.Option(
             False,
             "--compile/--no-compile",
-            help="Compile the clients' local step with torch.compile (inductor; CUDA graphs on "
-            "CUDA): the same run up to float rounding, stated in the record; `pflbench bench fl"
-            " --compile` says whether it is faster.",
+            help="Compile the clients' local step with torch.compile (inductor; the loss under "
+            "CUDA graphs on CUDA): the same run up to float rounding, stated in the record; "
+            "`pflbench bench fl --compile` says whether it is faster.",
         ),
         audit_canaries: int = typer.Option(
             0,

@@ -12,9 +12,9 @@ LAMB step) on in-memory random utterances, so it needs no corpus, and prints:
   two GPUs (the paper reports 1,120 A100-hours);
 - with --parallel-clients G, the same with G clients trained at once (fl.parallel) and its
   speed-up over one client at a time;
-- with --compile, the same with the local step compiled (fl.client; inductor, CUDA graphs on
-  CUDA), its speed-up over the eager step, and the first central step's time (compilation
-  included) of both.
+- with --compile, the same with the local step compiled (fl.client; inductor, the loss under
+  CUDA graphs on CUDA), its speed-up over the eager step, and the first central step's time
+  (compilation included) of both.
 """
 
 from __future__ import annotations

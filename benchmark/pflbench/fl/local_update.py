@@ -57,7 +57,9 @@ class LocalUpdate:
 
     def take_grads(self, grads: list[torch.Tensor]) -> None:
         """This local step's gradients ([G, ...], like `params`), which the rule changes in
-        place: one a backward formula returned as a broadcast view is copied first."""
+        place: one a backward formula returned as a broadcast view is copied first. They are
+        valid for this local step only: under CUDA graphs (`--compile` on CUDA) the next step's
+        backward writes into the same memory, so an algorithm keeps what it needs by copying."""
         self.grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
         # Each client's slices, for the per-client norms, clipping and noise draws (one client:
         # the tensors themselves).
