@@ -117,6 +117,28 @@ def _matrix_key(config: dict, where: str) -> str:
     return canonical_json([ran, *names])
 
 
+def _configurations(sweep: SweepFile, registry: Registry, where: str):
+    """(group, baseline, budget, resolved config, matrix key) of each configuration the sweep
+    file declares, resolved with today's specs."""
+    for group in sweep.groups:
+        for baseline in group.baselines:
+            for budget in group.budgets:
+                config = resolve(registry, sweep.task, baseline, budget, 0, group.set)
+                key = _matrix_key(config.model_dump(mode="json"), where)
+                yield group, baseline, budget, config, key
+
+
+def _filed_runs(records: list[ResultRecord]) -> list[tuple[ResultRecord, str]]:
+    """(record, matrix key) of each filed run at today's numerics: a seed of older numerics is
+    stale work (its row is apart, pflbench.numerics), and a matrix is filed whole at today's."""
+    return [
+        (r, _matrix_key(r.config, f"record {r.record_id} ({r.task.name}, {r.budget}): config"))
+        for r in records
+        if r.kind == "run" and r.config is not None
+        and record_numerics_version(r) == NUMERICS_VERSION
+    ]  # fmt: skip
+
+
 def check_declared_seeds(
     records: list[ResultRecord], sweeps: list[tuple[Path, SweepFile]], registry: Registry
 ) -> None:
@@ -127,26 +149,16 @@ def check_declared_seeds(
     could be a picked one. Rows of older task versions are not held to today's sweep files."""
     declared: dict[str, tuple[str, set[int], list[Path]]] = {}
     for path, sweep in sweeps:
-        for group in sweep.groups:
+        for group, baseline, budget, config, key in _configurations(sweep, registry, str(path)):
             sets = "".join(f" --set {item}" for item in group.set)
-            for baseline in group.baselines:
-                for budget in group.budgets:
-                    config = resolve(registry, sweep.task, baseline, budget, 0, group.set)
-                    name = f"{sweep.task} v{config.task.version} {baseline} @ {budget}{sets}"
-                    key = _matrix_key(config.model_dump(mode="json"), str(path))
-                    _, seeds, paths = declared.setdefault(key, (name, set(), []))
-                    seeds.update(group.seeds)
-                    if path not in paths:
-                        paths.append(path)
+            name = f"{sweep.task} v{config.task.version} {baseline} @ {budget}{sets}"
+            _, seeds, paths = declared.setdefault(key, (name, set(), []))
+            seeds.update(group.seeds)
+            if path not in paths:
+                paths.append(path)
     filed: dict[str, list[int]] = {}
-    for record in records:
-        if record.kind != "run" or record.config is None:
-            continue
-        # A seed of older numerics is stale work (its row is apart, pflbench.numerics): the
-        # matrix is filed whole at today's.
-        if record_numerics_version(record) == NUMERICS_VERSION:
-            where = f"record {record.record_id} ({record.task.name}, {record.budget}): config"
-            filed.setdefault(_matrix_key(record.config, where), []).append(record.seed)
+    for record, key in _filed_runs(records):
+        filed.setdefault(key, []).append(record.seed)
     problems = [
         f"{name}: seeds {sorted(filed.get(key, [])) or 'none'} filed, {sorted(seeds)} declared by "
         + ", ".join(map(str, paths))
@@ -167,27 +179,18 @@ def split_filed(
     """The sweep's runs split into those filed (a record of today's task version and numerics
     with that configuration and seed) and those still to run, one group per configuration: how a
     matrix filed over several sessions moves from sweeps/to-run/ into the manifest, sweeps/."""
-    filed = {
-        (_matrix_key(r.config, f"record {r.record_id}"), r.seed)
-        for r in records
-        if r.kind == "run" and r.config is not None
-        and record_numerics_version(r) == NUMERICS_VERSION
-    }  # fmt: skip
+    filed = {(key, r.seed) for r, key in _filed_runs(records)}
     done: list[SweepGroup] = []
     left: list[SweepGroup] = []
     seen: set[tuple[str, int]] = set()  # a run two groups declare is one run
-    for group in sweep.groups:
-        for baseline in group.baselines:
-            for budget in group.budgets:
-                config = resolve(registry, sweep.task, baseline, budget, 0, group.set)
-                key = _matrix_key(config.model_dump(mode="json"), where)
-                new = [s for s in dict.fromkeys(group.seeds) if (key, s) not in seen]
-                seen.update((key, s) for s in new)
-                for part, keep in ((done, True), (left, False)):
-                    seeds = [s for s in new if ((key, s) in filed) == keep]
-                    if seeds:
-                        part.append(SweepGroup(baselines=[baseline], budgets=[budget],
-                                               seeds=seeds, set=group.set))  # fmt: skip
+    for group, baseline, budget, _, key in _configurations(sweep, registry, where):
+        new = [s for s in dict.fromkeys(group.seeds) if (key, s) not in seen]
+        seen.update((key, s) for s in new)
+        for part, keep in ((done, True), (left, False)):
+            seeds = [s for s in new if ((key, s) in filed) == keep]
+            if seeds:
+                part.append(SweepGroup(baselines=[baseline], budgets=[budget], seeds=seeds,
+                                       set=group.set))  # fmt: skip
     return done, left
 
 
@@ -210,24 +213,20 @@ def check_to_run(
             "results split-sweeps`)"
             for g in done
         ]
-    declared: set[tuple[str, int]] = set()
-    for path, sweep in manifest + to_run:
-        if sweep.task not in {s.task for _, s in to_run}:
-            continue
-        for group in sweep.groups:
-            for baseline in group.baselines:
-                for budget in group.budgets:
-                    config = resolve(registry, sweep.task, baseline, budget, 0, group.set)
-                    key = _matrix_key(config.model_dump(mode="json"), str(path))
-                    declared.update((key, seed) for seed in group.seeds)
-    for r in records:
+    tasks = {sweep.task for _, sweep in to_run}
+    declared = {
+        (key, seed)
+        for path, sweep in manifest + to_run
+        if sweep.task in tasks
+        for group, _, _, _, key in _configurations(sweep, registry, str(path))
+        for seed in group.seeds
+    }
+    for r, key in _filed_runs(records):
         if (
-            r.kind == "run" and r.config is not None
-            and r.task.name in {s.task for _, s in to_run}
+            r.task.name in tasks
             and r.task.version == registry.task(r.task.name).spec.version
-            and record_numerics_version(r) == NUMERICS_VERSION
-            and (_matrix_key(r.config, f"record {r.record_id}"), r.seed) not in declared
-        ):  # fmt: skip
+            and (key, r.seed) not in declared
+        ):
             problems.append(
                 f"record {r.record_id} ({r.task.name} v{r.task.version} {r.baseline} @ "
                 f"{r.budget}, seed {r.seed}): no sweep file in sweeps/ or sweeps/to-run/ "
@@ -242,7 +241,7 @@ def check_to_run(
 
 def write_sweep_file(path: Path, sweep: SweepFile, header: str) -> None:
     """`sweep` as YAML under a comment `header` (what wrote it and why)."""
-    comment = "".join(f"# {line}\n".replace("# \n", "#\n") for line in header.splitlines())
+    comment = "".join(f"# {line}\n" for line in header.splitlines())
     body = yaml.safe_dump(
         sweep.model_dump(mode="json"), sort_keys=False, width=100, default_flow_style=None
     )
