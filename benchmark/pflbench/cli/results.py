@@ -444,7 +444,8 @@ def register(app: typer.Typer) -> None:
         run's config is the one its task, baseline, budget and --set overrides resolve to (current
         task versions); every ε claim re-accounted and the privacy statement, field for field,
         the one pflbench writes; no config filed twice; every declared matrix (sweeps/) filed
-        whole, each row with exactly its declared seeds. `results rescore` re-scores the WERs."""
+        whole, each row with exactly its declared seeds, and one still being filed
+        (sweeps/to-run/) with no run beside it. `results rescore` re-scores the WERs."""
         from pflbench.results.leaderboard import load_result_files
         from pflbench.results.submit import validate_record
 
