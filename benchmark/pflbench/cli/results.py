@@ -474,6 +474,7 @@ def register(app: typer.Typer) -> None:
             SweepFile,
             load_sweep_file,
             load_sweep_folder,
+            merge_groups,
             split_filed,
             write_sweep_file,
         )
@@ -492,7 +493,7 @@ def register(app: typer.Typer) -> None:
             manifest = folder / path.name
             groups = list(load_sweep_file(manifest).groups) if manifest.is_file() else []
             filed = SweepFile(task=sweep.task, description=sweep.description,
-                              groups=groups + done)  # fmt: skip
+                              groups=merge_groups(groups + done))  # fmt: skip
             write_sweep_file(manifest, filed, MANIFEST_HEADER.format(name=path.name))
             if left:
                 rest = SweepFile(task=sweep.task, description=sweep.description, groups=left)

@@ -194,6 +194,19 @@ def split_filed(
     return done, left
 
 
+def merge_groups(groups: list[SweepGroup]) -> list[SweepGroup]:
+    """Groups of one (baselines, budgets, set) as one, their seeds joined in order, at the place
+    of the first."""
+    merged: dict[tuple, list[int]] = {}
+    for g in groups:
+        seeds = merged.setdefault((tuple(g.baselines), tuple(g.budgets), tuple(g.set)), [])
+        seeds += [s for s in g.seeds if s not in seeds]
+    return [
+        SweepGroup(baselines=list(b), budgets=list(d), seeds=sorted(seeds), set=list(x))
+        for (b, d, x), seeds in merged.items()
+    ]
+
+
 def check_to_run(
     records: list[ResultRecord],
     manifest: list[tuple[Path, SweepFile]],
