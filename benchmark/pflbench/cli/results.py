@@ -43,13 +43,18 @@ def _registry(specs: list[Path] | None, plugins: list[str] | None = None):
     return load_specs(specs, plugins)
 
 
+def _sweeps_folder(results: Path, sweeps: Path | None) -> Path:
+    """--sweeps, else sweeps/ beside the results folder: the filed matrices' manifest."""
+    return sweeps or Path(results).parent / "sweeps"
+
+
 def _check_declared(records, results: Path, sweeps: Path | None, registry) -> None:
     """The declared matrices are filed whole (results.sweep.check_declared_seeds): those of
     --sweeps, or of sweeps/ beside the results folder where there is one; and a matrix still
     being filed (its to-run/) agrees with what is filed (results.sweep.check_to_run)."""
     from pflbench.results.sweep import check_declared_seeds, check_to_run, load_sweep_folder
 
-    folder = sweeps or Path(results).parent / "sweeps"
+    folder = _sweeps_folder(results, sweeps)
     if sweeps is not None or folder.is_dir():
         manifest = load_sweep_folder(folder)
         if (folder / "to-run").is_dir():  # first: its refusal says what to run to fix it
@@ -70,25 +75,19 @@ def _pending_notes(records, results: Path, sweeps: Path | None, registry) -> dic
     """Per task, a note of the runs that the sweep files in `to-run/` (beside the filed matrix's)
     declare and that are not filed yet: a task's new version files its matrix over several
     sessions, and a reader must see that its table is partial (docs/RESULTS.md)."""
-    from pflbench.numerics import NUMERICS_VERSION
-    from pflbench.results.schema import record_numerics_version
-    from pflbench.results.sweep import load_sweep_folder, split_filed
+    from pflbench.results.sweep import filed_runs, load_sweep_folder, split_filed
 
-    folder = (sweeps or Path(results).parent / "sweeps") / "to-run"
+    folder = _sweeps_folder(results, sweeps) / "to-run"
     if not folder.is_dir():
         return {}
     left: dict[str, int] = {}
     for path, sweep in load_sweep_folder(folder):
         _, groups = split_filed(sweep, records, registry, str(path))
         left[sweep.task] = left.get(sweep.task, 0) + sum(len(g.seeds) for g in groups)
-    notes = {}
+    notes, runs = {}, [r for r, _ in filed_runs(records)]
     for task, count in left.items():
         version = registry.task(task).spec.version
-        filed = sum(
-            r.kind == "run" and r.task.name == task and r.task.version == version
-            and record_numerics_version(r) == NUMERICS_VERSION
-            for r in records
-        )  # fmt: skip
+        filed = sum(r.task.name == task and r.task.version == version for r in runs)
         notes[task] = (
             f"**Task v{version}'s matrix is being filed**: {filed} of its runs are filed, "
             f"{count} more are declared in `sweeps/to-run/` and still to run (`pflbench "
@@ -481,7 +480,7 @@ def register(app: typer.Typer) -> None:
 
         registry = _registry(specs, plugins)
         records = load_results(results)
-        folder = sweeps or Path(results).parent / "sweeps"
+        folder = _sweeps_folder(results, sweeps)
         to_run = folder / "to-run"
         if not to_run.is_dir():
             raise UserError(f"{to_run}: no folder of sweep files still to run")

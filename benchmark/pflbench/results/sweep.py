@@ -128,7 +128,7 @@ def _configurations(sweep: SweepFile, registry: Registry, where: str):
                 yield group, baseline, budget, config, key
 
 
-def _filed_runs(records: list[ResultRecord]) -> list[tuple[ResultRecord, str]]:
+def filed_runs(records: list[ResultRecord]) -> list[tuple[ResultRecord, str]]:
     """(record, matrix key) of each filed run at today's numerics: a seed of older numerics is
     stale work (its row is apart, pflbench.numerics), and a matrix is filed whole at today's."""
     return [
@@ -157,7 +157,7 @@ def check_declared_seeds(
             if path not in paths:
                 paths.append(path)
     filed: dict[str, list[int]] = {}
-    for record, key in _filed_runs(records):
+    for record, key in filed_runs(records):
         filed.setdefault(key, []).append(record.seed)
     problems = [
         f"{name}: seeds {sorted(filed.get(key, [])) or 'none'} filed, {sorted(seeds)} declared by "
@@ -179,7 +179,7 @@ def split_filed(
     """The sweep's runs split into those filed (a record of today's task version and numerics
     with that configuration and seed) and those still to run, one group per configuration: how a
     matrix filed over several sessions moves from sweeps/to-run/ into the manifest, sweeps/."""
-    filed = {(key, r.seed) for r, key in _filed_runs(records)}
+    filed = {(key, r.seed) for r, key in filed_runs(records)}
     done: list[SweepGroup] = []
     left: list[SweepGroup] = []
     seen: set[tuple[str, int]] = set()  # a run two groups declare is one run
@@ -234,7 +234,7 @@ def check_to_run(
         for group, _, _, _, key in _configurations(sweep, registry, str(path))
         for seed in group.seeds
     }
-    for r, key in _filed_runs(records):
+    for r, key in filed_runs(records):
         if (
             r.task.name in tasks
             and r.task.version == registry.task(r.task.name).spec.version
