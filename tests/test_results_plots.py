@@ -505,6 +505,49 @@ def test_sweep_dry_run_cli(tmp_path):
     assert not any(tmp_path.iterdir())
 
 
+def _dry_run(tmp_path, *args: str):
+    out = tmp_path / "runs"
+    command = ["sweep", "--task", "synth-cv-en-ls-seed", *args, "--out", str(out), "--dry-run"]
+    return CliRunner().invoke(app, command), out
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--baselines", "global,fedavg", "--budgets", "eps7.2-synth-m-cohort-matched"],
+            "sweep run fedavg at eps7.2-synth-m-cohort-matched: baseline 'fedavg' does not clip",
+        ),
+        (["--baselines", "perlayer-dim", "--budgets", "eps8-example"], "example-level"),
+        (["--baselines", "fedavg", "--budgets", "none", "--set", "nosuch.key=1"], "nosuch"),
+        (["--baselines", "fedavg", "--set", "federated.cohort_size"], "expected key.path=value"),
+        (["--baselines", "fedavg", "--device", "gpu"], "--device 'gpu'"),
+    ],
+)
+def test_sweep_checks_every_run_as_pflbench_run_would_before_any_starts(tmp_path, args, message):
+    # A sweep that `pflbench run` would refuse part of fails before its first run, with run's
+    # message (a dry run included), instead of when the bad run's turn comes hours later.
+    result, out = _dry_run(tmp_path, *args)
+    assert isinstance(result.exception, UserError), result.output  # `pflbench`: exit code 2
+    assert message in str(result.exception)
+    assert not out.exists()
+
+
+def test_sweep_without_budgets_gives_each_baseline_the_budget_run_gives_it(tmp_path):
+    result, out = _dry_run(tmp_path, "--baselines", "perlayer-dim,fedavg", "--seeds", "0,1")
+    assert result.exit_code == 0, result.output
+    budget = load_registry().task("synth-cv-en-ls-seed").spec.budgets[0]
+    assert [line.split()[2] for line in result.stdout.splitlines()] == [
+        str(out / "synth-cv-en-ls-seed" / name)
+        for name in (
+            f"perlayer-dim__{budget}__seed0",
+            f"perlayer-dim__{budget}__seed1",
+            "fedavg__none__seed0",
+            "fedavg__none__seed1",
+        )
+    ]
+
+
 def test_a_point_is_drawn_from_the_newest_row_not_a_stale_one_with_more_seeds():
     """Rows competing for one point: a stale row (older task version, or numerics) stands for it
     only where nothing newer ran, however many seeds it has; a figure cannot mark it stale."""

@@ -12,6 +12,7 @@ from pflbench.cli.common import (
     JsonOption,
     PluginOption,
     SpecsOption,
+    check_device,
     console,
     err_console,
     print_json,
@@ -746,7 +747,11 @@ def register(app: typer.Typer) -> None:
     def sweep(
         task: str = typer.Option(None, "--task", help="The task (or give --file)."),
         baselines: str = typer.Option(None, "--baselines", help="Comma-separated baselines."),
-        budgets: str = typer.Option("none", "--budgets", help="Comma-separated budgets."),
+        budgets: str = typer.Option(
+            None,
+            "--budgets",
+            help="Comma-separated budgets (default: each baseline's, as `pflbench run` picks it).",
+        ),
         seeds: str = typer.Option("0", "--seeds", help="Comma-separated seeds."),
         sets: list[str] = typer.Option(None, "--set", help="key.path=value for every run."),
         file: Path = typer.Option(
@@ -755,45 +760,57 @@ def register(app: typer.Typer) -> None:
         jobs: int = typer.Option(
             1, "--jobs", min=1, help="Runs at once (each gets cores/jobs intra-op threads)."
         ),
-        out: Path = typer.Option(Path("runs"), "--out", help="Runs go to OUT/<task>/<run>/."),
-        dry_run: bool = typer.Option(False, "--dry-run", help="List the runs; run nothing."),
-        device: str = typer.Option("cpu", "--device", help="cpu or cuda, for every run."),
+        out: Path = typer.Option(
+            Path("runs"),
+            "--out",
+            help="Runs go to OUT/<task>/<baseline>__<budget>__seed<N>[__<hash8 of the --sets>]/.",
+        ),
+        dry_run: bool = typer.Option(
+            False, "--dry-run", help="Check and list the runs; run nothing."
+        ),
+        device: str = typer.Option("cpu", "--device", help="cpu, cuda or cuda:N, for every run."),
         data_root: Path = typer.Option(None, "--data-root", help="Real corpora folder."),
         specs: list[Path] = SpecsOption,
         plugins: list[str] = PluginOption,
     ) -> None:
-        """Run a grid of baselines × budgets × seeds (finished runs are skipped), then plot."""
+        """Run a grid of baselines × budgets × seeds (finished runs are skipped), then plot.
+        Every run's config is resolved and checked first, as `pflbench run` checks it."""
         from pflbench.results.sweep import (
             SweepFile,
             SweepGroup,
+            check_sweep,
             load_sweep_file,
             plan_sweep_file,
             run_sweep,
         )
+        from pflbench.spec.resolve import default_budget
 
         if (file is None) == (task is None or baselines is None):
             raise UserError("give either --file, or --task and --baselines")
+        check_device(device)
+        registry = _registry(specs, plugins)
         if file is not None:
             grid = load_sweep_file(file)
         else:
             try:
                 seed_list = [int(s) for s in _split(seeds, "seeds")]
             except ValueError:
-                raise UserError(f"--seeds {seeds!r}: expected integers, e.g. 1,2,3") from None
-            group = SweepGroup(
-                baselines=_split(baselines, "baselines"),
-                budgets=_split(budgets, "budgets"),
-                seeds=seed_list,
-                set=sets or [],
+                raise UserError(f"--seeds {seeds!r}: expected integers, e.g. 0,1,2") from None
+            names = _split(baselines, "baselines")
+            # Without --budgets each baseline takes the budget `pflbench run` would give it.
+            grid_of = (
+                {  # baselines -> budgets
+                    tuple(names): _split(budgets, "budgets")
+                }
+                if budgets is not None
+                else {(name,): [default_budget(registry, task, name, sets or [])] for name in names}
             )
-            grid = SweepFile(task=task, groups=[group])
-        registry = _registry(specs, plugins)
-        registry.task(grid.task)
-        for group in grid.groups:
-            for name in group.baselines:
-                registry.baseline(name)
-            for name in group.budgets:
-                registry.budget(name)
+            groups = [
+                SweepGroup(baselines=list(b), budgets=g, seeds=seed_list, set=sets or [])
+                for b, g in grid_of.items()
+            ]
+            grid = SweepFile(task=task, groups=groups)
+        check_sweep(grid, registry)
         run_args = ["--device", device, "--no-progress"]
         run_args += ["--data-root", str(data_root)] if data_root else []
         for folder in specs or []:

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pflbench.errors import UserError
 from pflbench.numerics import NUMERICS_VERSION
+from pflbench.privacy.run import check_run_privacy
 from pflbench.results.plots import PlotReport, plot_results, plot_run
 from pflbench.results.schema import ResultRecord, load_record, record_numerics_version
 from pflbench.results.submit import what_ran
@@ -259,6 +260,23 @@ def write_sweep_file(path: Path, sweep: SweepFile, header: str) -> None:
         sweep.model_dump(mode="json"), sort_keys=False, width=100, default_flow_style=None
     )
     Path(path).write_text(comment + body, encoding="utf-8")
+
+
+def check_sweep(sweep: SweepFile, registry: Registry) -> None:
+    """Resolve each group's configs and check them as `pflbench run` does, before any run
+    starts: a run that cannot start fails the sweep now, not when its turn comes hours later.
+    The seed changes nothing that is checked, so each group's first stands for all."""
+    for group in sweep.groups:
+        for baseline in group.baselines:
+            for budget in group.budgets:
+                try:
+                    config = resolve(
+                        registry, sweep.task, baseline, budget, group.seeds[0], group.set
+                    )
+                    check_run_privacy(config)
+                except UserError as exc:
+                    sets = f" --set {' '.join(group.set)}" if group.set else ""
+                    raise UserError(f"sweep run {baseline} at {budget}{sets}: {exc}") from None
 
 
 def plan_sweep_file(sweep: SweepFile, out_root: Path, run_args: tuple[str, ...] = ()):
