@@ -153,3 +153,85 @@ def test_records_without_a_seed_model_digest_are_listed_as_unchecked():
         update={"data": named[0].data.model_copy(update={"digests": digests}), "record_id": "old"}
     )
     assert unchecked_seed_models([*named, older]) == ["old"]
+
+
+def _filed_copy(tmp_path: Path, record: dict, **changes) -> str:
+    """A copy of a filed record with `changes` at dotted paths, its id recomputed (a valid
+    record), filed under tmp_path as results/ files it; returns its id."""
+    record = copy.deepcopy(record)
+    for dotted, value in changes.items():
+        *parents, last = dotted.split("__")
+        node = record
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    record["record_id"] = compute_record_id(record)
+    folder = tmp_path / record["task"]["name"] / record["budget"]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / f"{record['record_id']}.json").write_text(json.dumps(record))
+    return record["record_id"]
+
+
+def _compare(tmp_path: Path, a: str, b: str, *extra: str):
+    args = ["compare", a, b, "--results", str(tmp_path), "--replicates", "200", *extra]
+    return CliRunner().invoke(app, args)
+
+
+def test_compare_names_each_row_as_the_leaderboard_does_and_says_what_it_measured(tmp_path):
+    """Two rows of one baseline and budget that differ in a --set override and in the task's
+    version: compare labels them apart, notes the version, and with one seed a side says seed
+    noise is unmeasured; --json names each side's records."""
+    source = next(
+        p
+        for p in sorted(RESULTS.glob("synth-cv-en-ls-seed/none/*.json"))
+        if json.loads(p.read_text())["baseline"] == "fedavg"
+        and not json.loads(p.read_text())["config"].get("overrides")
+    )
+    data = json.loads(source.read_text())
+    version = data["task"]["version"]
+    ours = _filed_copy(tmp_path, data)
+    older = _filed_copy(
+        tmp_path, data, task__version=version - 1, config__task__version=version - 1
+    )
+    cohort = _filed_copy(tmp_path, data, config__overrides={"federated.cohort_size": 8})
+    shown = _compare(tmp_path, cohort, ours, "--eval-set", "cv-test")
+    assert shown.exit_code == 0, shown.output
+    lines = shown.stdout.splitlines()
+    assert lines[0].startswith("A = fedavg [federated.cohort_size=8] / none, synth-cv-en-ls-seed")
+    assert lines[1] == f"B = fedavg / none, synth-cv-en-ls-seed v{version} (1 seed)"
+    assert "seed noise unmeasured: a side has 1 seed" in " ".join(shown.stdout.split())
+    shown = _compare(tmp_path, older, ours, "--json")
+    assert f"A ran synth-cv-en-ls-seed v{version - 1}, B synth-cv-en-ls-seed v{version}" in (
+        " ".join(shown.stderr.split())
+    )
+    found = json.loads(shown.stdout)
+    assert found[0]["a"] == {
+        "row": f"fedavg / none, synth-cv-en-ls-seed v{version - 1} (1 seed)",
+        "records": [older],
+    }
+    assert found[0]["b"]["records"] == [ours] and found[0]["noise"].startswith("speaker")
+    # One side of two configurations: the error names what differs.
+    refused = _compare(tmp_path, f"{ours},{cohort}", ours)
+    assert isinstance(refused.exception, UserError)
+    assert "differing in overrides.federated.cohort_size" in str(refused.exception)
+    refused = _compare(tmp_path, ours, cohort, "--eval-set", "nothing")
+    assert "(they share cv-dev, cv-test, ls-dev-clean)" in str(refused.exception)
+
+
+def test_compare_takes_run_dirs_record_files_filed_folders_and_ids(tmp_path):
+    source = next(p for p in sorted(RESULTS.glob("synth-cv-en-ls-seed/none/*.json")))
+    data = json.loads(source.read_text())
+    ours = _filed_copy(tmp_path, data)
+    record_file = next(tmp_path.rglob(f"{ours}.json"))
+    filed_folder = record_file.with_suffix("")
+    filed_folder.mkdir()  # where a filed record keeps its hypotheses
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "record.json").write_text(record_file.read_text())
+    for item in (ours, str(record_file), str(filed_folder), str(run_dir)):
+        shown = _compare(tmp_path, item, ours, "--json")
+        assert shown.exit_code == 0, (item, shown.output)
+        assert json.loads(shown.stdout)[0]["a"]["records"] == [ours]
+    for item, why in ((tmp_path / "nothing", "no such file or folder"), (tmp_path, "a folder")):
+        refused = _compare(tmp_path, str(item), ours)
+        assert isinstance(refused.exception, UserError) and why in str(refused.exception)

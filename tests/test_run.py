@@ -645,7 +645,7 @@ def test_per_utterance_errors_and_speaker_counts_feed_pflbench_compare(env, tmp_
     def compare(a: Path, b: Path) -> list[dict]:
         out = CliRunner().invoke(app, ["compare", str(a), str(b), "--replicates", "200", "--json"])
         assert out.exit_code == 0, out.output
-        return json.loads(out.output)
+        return json.loads(out.stdout)  # notes go to stderr
 
     seed_record, _ = load_record(seed_only / "record.json")
     for c in compare(central, seed_only):
@@ -658,7 +658,7 @@ def test_per_utterance_errors_and_speaker_counts_feed_pflbench_compare(env, tmp_
     assert not any(c["beyond_noise"] for c in compare(seed_only, seed_only))
     refused = CliRunner().invoke(app, ["compare", str(central), str(tmp_path / "nothing")])
     assert isinstance(refused.exception, UserError)
-    assert "neither a finished run directory" in str(refused.exception)
+    assert "no such file or folder" in str(refused.exception)
 
 
 def test_pflbench_seed_ships_its_model_and_runs_start_from_it(env, tmp_path, monkeypatch):

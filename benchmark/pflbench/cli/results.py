@@ -285,8 +285,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command("compare")
     def compare(
-        side_a: str = typer.Argument(..., help="Run dirs or record ids of row A, comma-separated."),
-        side_b: str = typer.Argument(..., help="Run dirs or record ids of row B, comma-separated."),
+        side_a: str = typer.Argument(..., help="Row A's runs, comma-separated (see below)."),
+        side_b: str = typer.Argument(..., help="Row B's runs, comma-separated."),
         results: Path = ResultsOption,
         eval_set: list[str] = typer.Option(
             None, "--eval-set", help="Compare on this eval set (repeatable); default: all shared."
@@ -296,7 +296,9 @@ def register(app: typer.Typer) -> None:
         as_json: bool = JsonOption,
     ) -> None:
         """Paired comparison of two rows (one or more seeds each): WER(A) - WER(B) per eval set
-        with a 95% bootstrap CI that resamples speakers (paired) and seeds."""
+        with a 95% bootstrap CI that resamples speakers (paired) and seeds. A side is run
+        directories, record files or record ids, comma-separated."""
+        from pflbench.results.groups import row_label
         from pflbench.results.stats import compare_records, load_side, unchecked_seed_models
 
         a = load_side(_split(side_a, "side A"), results)
@@ -309,11 +311,35 @@ def register(app: typer.Typer) -> None:
                 "held its digest): whether all runs started from the same one is unchecked",
                 highlight=False,
             )
+
+        def label(side: list) -> str:
+            r = side[0]
+            seeds = f"{len(side)} seed{'s' if len(side) != 1 else ''}"
+            return f"{row_label(r)} / {r.budget}, {r.task.name} v{r.task.version} ({seeds})"
+
+        tasks = {(r.task.name, r.task.version) for r in (a[0], b[0])}
+        if len(tasks) > 1:
+            err_console.print(
+                f"note: A ran {a[0].task.name} v{a[0].task.version}, B {b[0].task.name} "
+                f"v{b[0].task.version}: the rows differ in the task's recipe too, not only in the "
+                "method",
+                highlight=False,
+            )
+        if {r.record_id for r in a} == {r.record_id for r in b}:
+            err_console.print("note: A and B are the same records", highlight=False)
+        # With one seed a side's interval is the speaker bootstrap alone (results/stats.py).
+        noise = (
+            "seed and speaker-sampling noise"
+            if min(len(a), len(b)) > 1
+            else "speaker-sampling noise (seed noise unmeasured: a side has 1 seed)"
+        )
         if as_json:
             print_json(
                 [
                     {
                         "eval_set": c.eval_set,
+                        "a": {"row": label(a), "records": [r.record_id for r in a]},
+                        "b": {"row": label(b), "records": [r.record_id for r in b]},
                         "wer_a": c.wer_a,
                         "wer_b": c.wer_b,
                         "difference": c.difference.estimate,
@@ -321,19 +347,16 @@ def register(app: typer.Typer) -> None:
                         "speakers": c.difference.num_speakers,
                         "seeds": [len(a), len(b)],
                         "beyond_noise": c.beyond_noise,
+                        "noise": noise,
                     }
                     for c in found
                 ]
             )
             return
-        console.print(
-            f"A = {a[0].baseline} / {a[0].budget} ({len(a)} seeds), "
-            f"B = {b[0].baseline} / {b[0].budget} ({len(b)} seeds)",
-            highlight=False,
-        )
+        console.print(f"A = {label(a)}\nB = {label(b)}", highlight=False, markup=False)
         for c in found:
             d = c.difference
-            verdict = "beyond seed and sampling noise" if c.beyond_noise else "within noise"
+            verdict = f"{'beyond' if c.beyond_noise else 'within'} {noise}"
             console.print(
                 f"{c.eval_set}: WER A {100 * c.wer_a:.2f}%  B {100 * c.wer_b:.2f}%  "
                 f"A-B {100 * d.estimate:+.2f} [95% CI {100 * d.low:+.2f}, {100 * d.high:+.2f}] "

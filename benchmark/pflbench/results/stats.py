@@ -14,7 +14,8 @@ seeds the seed part is an underestimate (the bootstrap of n values has variance 
 
 A comparison of rows A and B is paired by speaker: each replicate draws one speaker resample used
 for both sides, and seeds within each side, and takes mean_A - mean_B. The difference is beyond
-seed and sampling noise when its 95% percentile interval excludes 0.
+seed and speaker-sampling noise when its 95% percentile interval excludes 0 (speaker sampling
+alone where a side has one seed).
 """
 
 from __future__ import annotations
@@ -230,7 +231,10 @@ def compare_records(side_a: Sequence, side_b: Sequence, eval_sets: list[str] | N
     out = []
     for name in names:
         if name not in common:
-            raise UserError(f"--eval-set {name}: not an eval set of every compared record")
+            raise UserError(
+                f"--eval-set {name}: not an eval set of every compared record (they share "
+                f"{', '.join(sorted(common)) or 'none'})"
+            )
         a = [record_counts(r, name) for r in side_a]
         b = [record_counts(r, name) for r in side_b]
         missing = [r.record_id for r, c in zip([*side_a, *side_b], a + b, strict=True) if c is None]
@@ -248,8 +252,9 @@ def compare_records(side_a: Sequence, side_b: Sequence, eval_sets: list[str] | N
 
 
 def load_side(items: list[str], results_root: Path) -> list:
-    """The records of one side of a comparison: run directories (their record.json) or record
-    ids filed under results/; all seeds of one configuration."""
+    """The records of one side of a comparison: run directories (their record.json), record
+    files, filed records' folders (results/<task>/<budget>/<id>/, beside <id>.json) or record ids
+    filed under results/; all seeds of one configuration."""
     from pflbench.results.leaderboard import group_key
     from pflbench.results.schema import RECORD_ID_PATTERN, load_record
 
@@ -257,18 +262,48 @@ def load_side(items: list[str], results_root: Path) -> list:
     for item in items:
         path = Path(item)
         if (path / "record.json").is_file():
-            records.append(load_record(path / "record.json")[0])
-        elif re.fullmatch(RECORD_ID_PATTERN, item):
+            path = path / "record.json"
+        elif path.is_dir() and path.with_name(f"{path.name}.json").is_file():
+            path = path.with_name(f"{path.name}.json")
+        elif re.fullmatch(RECORD_ID_PATTERN, item) and not path.exists():
             found = sorted(Path(results_root).glob(f"*/*/{item}.json"))
             if not found:
                 raise UserError(f"{item}: no record with this id under {results_root}/")
-            records.append(load_record(found[0])[0])
-        else:
-            raise UserError(f"{item}: neither a finished run directory nor a record id")
+            path = found[0]
+        elif not (path.is_file() and path.suffix == ".json"):
+            what = "a folder without a record" if path.is_dir() else "no such file or folder"
+            raise UserError(
+                f"{item}: {what}; give a finished run directory, a record file or a record id"
+            )
+        records.append(load_record(path)[0])
     configurations = {group_key(r) for r in records}
     if len(configurations) > 1:
         raise UserError(
             f"{', '.join(items)}: one side must be seeds of one configuration; these are "
-            f"{len(configurations)} ({', '.join(sorted({r.baseline for r in records}))})"
+            f"{len(configurations)}, differing in {_listed(differing_keys(records))}"
         )
     return records
+
+
+def _listed(names: list[str], most: int = 6) -> str:
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
+def differing_keys(records: Sequence) -> list[str]:
+    """The dotted config keys (and `numerics`) on which the records differ, the seed aside."""
+    from pflbench.results.schema import record_numerics_version
+
+    def flat(value, prefix: str = "") -> dict[str, object]:
+        if not isinstance(value, dict):
+            return {prefix: value}
+        return {
+            k: v for key, item in value.items() for k, v in flat(item, prefix + key + ".").items()
+        }
+
+    configs = [flat(r.config or {}) for r in records]
+    keys = sorted({k for c in configs for k in c} - {"seed."})
+    found = [k.rstrip(".") for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
+    if len({record_numerics_version(r) for r in records}) > 1:
+        found.append("numerics")
+    return found or ["the kind of record"]
