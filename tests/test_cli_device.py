@@ -14,6 +14,7 @@ COMMANDS = [
     ["eval", "--task", "synth-cv-en-ls-seed", "--checkpoint", "missing.safetensors"],
     ["bench", "model"],
     ["bench", "fl"],
+    ["sweep", "--task", "synth-cv-en-ls-seed", "--baselines", "fedavg", "--dry-run"],
 ]
 
 

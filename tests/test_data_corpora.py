@@ -351,6 +351,15 @@ def test_data_stats_cli_reports_skips(faulty_root: Path, tmp_path: Path, monkeyp
     assert report["eval:ls-dev"]["users"] >= 1
 
 
+def test_data_synth_refuses_an_out_that_is_a_file_or_not_empty(tmp_path: Path) -> None:
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    for out, why in ((a_file, "is a file, not a folder"), (tmp_path, "is not empty")):
+        result = CliRunner().invoke(app, ["data", "synth", "--size", "tiny", "--out", str(out)])
+        assert isinstance(result.exception, UserError), result.output
+        assert why in str(result.exception)
+
+
 def test_missing_data_errors_name_what_was_expected(
     faulty_root: Path, tmp_path: Path, monkeypatch
 ) -> None:

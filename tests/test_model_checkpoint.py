@@ -59,6 +59,13 @@ def test_a_pickle_is_refused_not_unpickled(tmp_path):
         load_model(path)
 
 
+def test_a_missing_checkpoint_or_a_folder_is_named_as_such(tmp_path):
+    with pytest.raises(UserError, match="m.safetensors: no such file"):
+        load_checkpoint(tmp_path / "m.safetensors")
+    with pytest.raises(UserError, match=f"checkpoint {tmp_path}: a folder"):
+        load_checkpoint(tmp_path)
+
+
 def test_missing_sidecar_and_mismatched_weights_are_user_errors(tmp_path):
     path = tmp_path / "m.safetensors"
     save_model(path, build_model("tiny", vocab_size=30), {})

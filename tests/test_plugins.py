@@ -91,6 +91,10 @@ def test_a_plugin_that_fails_to_import_is_named_in_the_error(tmp_path):
         plugins.load_plugin(str(broken))
     with pytest.raises(UserError, match="plug-in .*missing.py: no such file"):
         plugins.load_plugin(str(tmp_path / "missing.py"))
+    notes = tmp_path / "notes.txt"  # a file, but no Python: importlib has no loader for it
+    notes.write_text("x = 1\n")
+    with pytest.raises(UserError, match="plug-in .*notes.txt: not a .py file"):
+        plugins.load_plugin(str(notes))
 
 
 REGISTERS = "from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS as S\n"

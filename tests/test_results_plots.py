@@ -521,7 +521,6 @@ def _dry_run(tmp_path, *args: str):
         (["--baselines", "perlayer-dim", "--budgets", "eps8-example"], "example-level"),
         (["--baselines", "fedavg", "--budgets", "none", "--set", "nosuch.key=1"], "nosuch"),
         (["--baselines", "fedavg", "--set", "federated.cohort_size"], "expected key.path=value"),
-        (["--baselines", "fedavg", "--device", "gpu"], "--device 'gpu'"),
     ],
 )
 def test_sweep_checks_every_run_as_pflbench_run_would_before_any_starts(tmp_path, args, message):

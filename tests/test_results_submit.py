@@ -541,6 +541,10 @@ def test_unfinished_run(tmp_path, registry, dp_record):
     run_dir = write_run(tmp_path / "run", dp_record, done=False)
     with pytest.raises(UserError, match="no DONE marker"):
         submit(run_dir, tmp_path / "results", registry)
+    with pytest.raises(UserError, match="missing: no such folder"):
+        submit(tmp_path / "missing", tmp_path / "results", registry)
+    with pytest.raises(UserError, match="config.json: a file, not a run directory"):
+        submit(run_dir / "config.json", tmp_path / "results", registry)
 
 
 def test_reference_rows_cannot_be_submitted(tmp_path, registry):

@@ -608,6 +608,10 @@ def test_rerunning_a_finished_run_reports_it_and_an_unfinished_one_needs_resume(
     prepare_run_dir(config, run_dir, resume=False)  # the same finished run: accepted
     with pytest.raises(UserError, match="differs"):
         prepare_run_dir(other, run_dir, resume=False)
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("")
+    with pytest.raises(UserError, match="notes.txt: a file, not a run directory"):
+        prepare_run_dir(config, a_file, resume=False)
 
 
 def test_per_utterance_errors_and_speaker_counts_feed_pflbench_compare(env, tmp_path):

@@ -84,7 +84,7 @@ def prune_checkpoints(folder: Path, prefix: str, keep: Path) -> None:
 def load_checkpoint(path: Path) -> tuple[dict[str, Tensor], dict]:
     path = Path(path)
     if not path.is_file():
-        raise UserError(f"checkpoint {path}: no such file")
+        raise UserError(f"checkpoint {path}: {'a folder' if path.is_dir() else 'no such file'}")
     if not meta_path(path).is_file():
         raise UserError(f"checkpoint {path}: its sidecar {meta_path(path).name} is missing")
     try:

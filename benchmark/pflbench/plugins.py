@@ -137,6 +137,8 @@ def _import(spec: str):
     path = Path(spec)
     if not path.is_file():
         raise UserError("no such file")
+    if path.suffix != ".py":  # importlib finds no loader for it
+        raise UserError("not a .py file (a plug-in is a .py file or an importable module name)")
     # As `python file.py` would: the file's folder first on sys.path, so that a helper beside it
     # imports (at module level or later, inside a function).
     folder = str(path.resolve().parent)

@@ -42,6 +42,19 @@ def is_done(run_dir: Path) -> bool:
     return (run_dir / "DONE").is_file()
 
 
+def check_finished(run_dir: Path, hint: str = "") -> None:
+    """Refuse, by what is wrong, a path that is not a finished run directory."""
+    if not run_dir.exists():
+        why = "no such folder"
+    elif not run_dir.is_dir():
+        why = "a file, not a run directory"
+    elif not is_done(run_dir):
+        why = "not a finished run (no DONE marker)"
+    else:
+        return
+    raise UserError(f"{run_dir}: {why}{hint}")
+
+
 def mark_done(run_dir: Path) -> None:
     atomic_write_text(run_dir / "DONE", datetime.now(UTC).isoformat() + "\n")
 
@@ -51,6 +64,8 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> None:
 
     An identical run that already finished is accepted without `--resume` (re-running the same
     command, e.g. `make demo`, reports it); an unfinished one needs `--resume`."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"{run_dir}: a file, not a run directory; choose another --out")
     config_json = json.dumps(config.model_dump(mode="json"), indent=2, sort_keys=True)
     existing = run_dir / "config.json"
     if resume or is_done(run_dir):

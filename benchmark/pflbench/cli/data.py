@@ -39,6 +39,8 @@ def synth(
         raise UserError(f"--lang: unsupported language {lang!r} (en, fr, de)")
     if size not in SIZES:
         raise UserError(f"--size: unknown size {size!r} ({', '.join(SIZES)})")
+    if out.exists() and not out.is_dir():
+        raise UserError(f"--out: {out} is a file, not a folder")
     if out.exists() and any(out.iterdir()):
         raise UserError(f"--out: {out} is not empty")
     with make_progress("synthesis") as progress:

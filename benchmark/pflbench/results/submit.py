@@ -653,13 +653,10 @@ def submit(
     from pflbench.results.leaderboard import VERIFICATION_FILE, filed_dir
     from pflbench.results.rescore import DataOptions, rescore_run_dir
     from pflbench.results.verify import check_stamp, load_stamp
-    from pflbench.rundir import HYPOTHESES_DIR, hypotheses_file
+    from pflbench.rundir import HYPOTHESES_DIR, check_finished, hypotheses_file
 
     run_dir = Path(run_dir)
-    if not (run_dir / "DONE").is_file():
-        raise UserError(
-            f"{run_dir}: not a finished run (no DONE marker); submit finished runs only"
-        )
+    check_finished(run_dir, "; submit finished runs only")
     record_file = run_dir / "record.json"
     record, raw = load_record(record_file)
     stale = validate_record(record, raw, registry, str(record_file), stale_ok)

@@ -58,7 +58,7 @@ from pflbench.results.schema import (
     record_numerics_version,
 )
 from pflbench.results.submit import check_config
-from pflbench.rundir import HYPOTHESES_DIR, hypotheses_content, is_done
+from pflbench.rundir import HYPOTHESES_DIR, check_finished, hypotheses_content
 from pflbench.spec.models import Task
 from pflbench.spec.registry import format_validation_error
 from pflbench.spec.resolve import canonical_json
@@ -149,8 +149,7 @@ def verify_run(
 ) -> Verification:
     """Re-evaluate a finished run's final checkpoint (module docstring); writes the stamp."""
     run_dir = Path(run_dir)
-    if not is_done(run_dir):
-        raise UserError(f"{run_dir}: not a finished run (no DONE marker)")
+    check_finished(run_dir)
     where = str(run_dir / "record.json")
     record, raw = load_record(run_dir / "record.json")
     if record.kind != "run":
