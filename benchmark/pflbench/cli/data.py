@@ -27,7 +27,7 @@ def synth(
     out: Path = typer.Option(..., "--out", help="Empty or new folder to write the corpora to."),
     lang: str = typer.Option("en", "--lang", help="en, fr or de."),
     size: str = typer.Option("small", "--size", help="tiny, small or base."),
-    seed: int = typer.Option(0, "--seed"),
+    seed: int = typer.Option(0, "--seed", help="Seed of the texts, voices and speakers drawn."),
 ) -> None:
     """Write an LS-like and a CV-like synthetic corpus (espeak-ng) in the real on-disk formats."""
     from pflbench.data.synth import SIZES, synthesize

@@ -85,9 +85,11 @@ def shipped_lines(check: dict, shipped_now: bool) -> list[str]:
 def register(app: typer.Typer) -> None:
     @app.command("seed")
     def seed(
-        task: str = typer.Option(..., "--task", help="Task name (see `pflbench tasks`)."),
+        task: str = typer.Option(..., "--task", help="Task name (see `pflbench tasks list`)."),
         device: str = DeviceOption,
-        sets: list[str] = typer.Option(None, "--set", help="Recipe override key.path=value."),
+        sets: list[str] = typer.Option(
+            None, "--set", help="Recipe override key.path=value (repeatable)."
+        ),
         seed: int = typer.Option(0, "--seed", help="Run seed."),
         specs: list[Path] = SpecsOption,
         data_root: Path = DataRootOption,

@@ -58,7 +58,7 @@ def epsilon(
     noise_multiplier: float = typer.Option(..., "--noise-multiplier", help="z: noise std / C."),
     sampling_rate: float = typer.Option(..., "--sampling-rate", help="q: Poisson sampling rate."),
     steps: int = typer.Option(..., "--steps", help="T: number of central steps."),
-    delta: float = typer.Option(..., "--delta"),
+    delta: float = typer.Option(..., "--delta", help="δ of (ε, δ)-DP, in (0, 1)."),
     accountant: str = typer.Option("rdp", "--accountant", help=f"{ANY_OR_ALL}."),
     json: bool = JsonOption,
 ) -> None:
@@ -94,7 +94,7 @@ def epsilon(
 @privacy_app.command("noise")
 def noise(
     epsilon: float = typer.Option(..., "--epsilon", help="Target epsilon."),
-    delta: float = typer.Option(..., "--delta"),
+    delta: float = typer.Option(..., "--delta", help="δ of (ε, δ)-DP, in (0, 1)."),
     population: int = typer.Option(..., "--population", help="K: number of users."),
     cohort: int = typer.Option(..., "--cohort", help="S = qK: expected cohort size."),
     steps: int = typer.Option(..., "--steps", help="T: number of central steps."),
@@ -138,9 +138,13 @@ def report(
     cohort: int = typer.Option(..., "--cohort", help="S: (expected) cohort size simulated."),
     population: int = typer.Option(..., "--population", help="K: users simulated."),
     steps: int = typer.Option(..., "--steps", help="T: central steps simulated."),
-    delta: float = typer.Option(..., "--delta"),
+    delta: float = typer.Option(..., "--delta", help="δ of (ε, δ)-DP, in (0, 1)."),
     budget: str | None = typer.Option(None, "--budget", help="Also at this budget's scale."),
-    clip_bound: float = typer.Option(PrivacyRecipe().clip_bound, "--clip-bound"),
+    clip_bound: float = typer.Option(
+        PrivacyRecipe().clip_bound,
+        "--clip-bound",
+        help="C, stated in the report (ε depends on σ_DP, S, K and T only).",
+    ),
     sampling: str = typer.Option("poisson", "--sampling", help="poisson or fixed."),
     accountant: str = typer.Option("all", "--accountant", help=f"{ANY_OR_ALL}."),
     specs: list[Path] | None = SpecsOption,

@@ -94,7 +94,7 @@ def run_summary(run_dir: Path) -> list[str]:
 def register(app: typer.Typer) -> None:
     @app.command("run")
     def run_cmd(
-        task: str = typer.Option(..., "--task", help="Task name (see `pflbench tasks`)."),
+        task: str = typer.Option(..., "--task", help="Task name (see `pflbench tasks list`)."),
         baseline: str = typer.Option(..., "--baseline", help="Baseline name."),
         budget: str = typer.Option(
             None,

@@ -148,7 +148,7 @@ def register(app: typer.Typer) -> None:
 
     @tasks.command("show")
     def tasks_show(
-        name: str,
+        name: str = typer.Argument(..., help="The task's name (`pflbench tasks list`)."),
         specs: list[Path] | None = SpecsOption,
         plugins: list[str] = PluginOption,
         as_json: bool = JsonOption,
@@ -171,7 +171,7 @@ def register(app: typer.Typer) -> None:
 
     @baselines.command("show")
     def baselines_show(
-        name: str,
+        name: str = typer.Argument(..., help="The baseline's name (`pflbench baselines list`)."),
         specs: list[Path] | None = SpecsOption,
         plugins: list[str] = PluginOption,
         as_json: bool = JsonOption,
@@ -195,7 +195,7 @@ def register(app: typer.Typer) -> None:
 
     @budgets.command("show")
     def budgets_show(
-        name: str,
+        name: str = typer.Argument(..., help="The budget's name (`pflbench budgets list`)."),
         specs: list[Path] | None = SpecsOption,
         plugins: list[str] = PluginOption,
         as_json: bool = JsonOption,
