@@ -88,6 +88,8 @@ def test_report_with_a_budget(capsys, monkeypatch):
     assert statement["simulated"]["epsilon"]["rdp"]["epsilon"] > 1e7
     code, out, _ = run_cli(["privacy", "report", *args, *TABLE_1, *budget], capsys, monkeypatch)
     assert code == 0 and "extrapolated" in out and "7.22" in out
+    # An accountant that was not run says why under the table, not only in --json.
+    assert "eps prv, simulated: not computed: PRV accountant not run" in " ".join(out.split())
 
 
 EPSILON = ["privacy", "epsilon", "--steps", "100", "--delta", "1e-5"]

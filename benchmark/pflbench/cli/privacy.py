@@ -49,7 +49,7 @@ def epsilon_cell(entry: dict | None) -> str:
     if entry is None:
         return "inf (no DP)"
     if entry.get("error"):
-        return "not computed (--json says why)"
+        return "not computed (why: below)"
     return f"{entry['epsilon']:.4g}"
 
 
@@ -185,6 +185,13 @@ def report(
             *eps,
         )
     console.print(table)
+    for label, scale in scales:
+        for name in names:
+            entry = (scale or {}).get("epsilon", {}).get(name) or {}
+            if entry.get("error"):
+                console.print(
+                    f"eps {name}, {label}: not computed: {entry['error']}", highlight=False
+                )
     console.print(statement["how"], highlight=False)
 
 
