@@ -18,6 +18,7 @@ from pflbench.results.bench import synthetic_record
 from pflbench.results.leaderboard import (
     VERIFICATION_FILE,
     filed_dir,
+    fmt_clip_bound,
     fmt_wer,
     load_result_files,
     load_results,
@@ -450,3 +451,12 @@ def test_schema_json_is_current():
 
 if __name__ == "__main__":  # regenerate the golden file after an intended change
     (GOLDEN / "leaderboard.md").write_text(render_golden(), encoding="utf-8")
+
+
+def test_an_adaptive_row_shows_its_clip_bound_as_the_initial_one():
+    """Adaptive clipping moves C each step: its C column says the number is C_0."""
+    records = [r for r in load_results(REPO / "results") if r.kind == "run"]
+    adaptive = next(r for r in records if r.baseline == "adaptive-global")
+    fixed = next(r for r in records if r.baseline == "global")
+    assert fmt_clip_bound(adaptive) == "0.01 (C₀, adaptive)"
+    assert fmt_clip_bound(fixed) == "0.01"

@@ -39,7 +39,9 @@ HEADER = (
     "rdp where it cannot compute ε). On -iid tasks users are pseudo-users (utterances assigned "
     "at random), so ε is per pseudo-user, not per speaker. Per-layer rows name their rule: "
     "clip = each layer clipped to min(‖Δ_h‖, C_h) (paper 002, Definition 3); normalize = when "
-    "‖Δ‖ > C every layer rescaled to C_h (the paper authors' code). "
+    "‖Δ‖ > C every layer rescaled to C_h (the paper authors' code). C is the clip bound; "
+    "adaptive rows show their initial C₀, which the run moves toward a quantile of the users' "
+    "update norms (Andrew et al. 2021). "
     "📄 rows are copied from papers (source column), not run by pflbench. "
     "🔌 rows ran with plug-ins (code from outside pflbench, named with its version; `pflbench "
     "submit` filed them with the same plug-in source loaded). "
@@ -183,6 +185,12 @@ def clip_bound(record: ResultRecord) -> float | None:
     if privacy is not None:
         return None if privacy.get("clipping") == "none" else privacy.get("clip_bound")
     return record.privacy.clip_bound if record.privacy else None
+
+
+def fmt_clip_bound(record: ResultRecord) -> str:
+    """C; an adaptive row's is its initial C_0 (the run moves it each step)."""
+    adaptive = (_recipe(record).get("privacy") or {}).get("adaptive_clip") is not None
+    return fmt_number(clip_bound(record)) + (" (C₀, adaptive)" if adaptive else "")
 
 
 def cohort_size(record: ResultRecord) -> float | None:
@@ -413,7 +421,7 @@ def render_table(
         cells = ["–" if other_task else str(rank), fmt_baseline(row, version)]
         cells += [fmt_wer(row.wers(c)) + fmt_ci(row, c) for c in columns]
         cells += [fmt_epsilon(row, "extrapolated"), fmt_epsilon(row, "simulated")]
-        cells += [fmt_sigma(record), fmt_number(clip_bound(record))]
+        cells += [fmt_sigma(record), fmt_clip_bound(record)]
         cells += scale_cells(record)
         cells += [fmt_gpu_hours(row), ", ".join(r.record_id for r in row.records)]
         cells += [max(r.created for r in row.records)[:10], fmt_source(row)]
