@@ -460,3 +460,21 @@ def test_an_adaptive_row_shows_its_clip_bound_as_the_initial_one():
     fixed = next(r for r in records if r.baseline == "global")
     assert fmt_clip_bound(adaptive) == "0.01 (C₀, adaptive)"
     assert fmt_clip_bound(fixed) == "0.01"
+
+
+def test_a_reworded_baseline_or_budget_does_not_split_a_row():
+    """Submit and reproduce compare what ran, not a spec's words: two seeds of one configuration
+    filed before and after a baseline's description was reworded are one row; a recipe change
+    is another row."""
+    from pflbench.results.leaderboard import group_rows
+
+    row = next(r for r in group_rows(load_results(GOLDEN / "results")) if len(r.records) > 1)
+    first, second = row.records[:2]
+    config = json.loads(json.dumps(second.config))
+    config["baseline"]["description"] = "reworded"
+    config["budget"]["description"] = "reworded too"
+    reworded = second.model_copy(update={"config": config})
+    assert len(group_rows([first, reworded])) == 1
+    config = json.loads(json.dumps(second.config))
+    config["recipe"]["privacy"]["clip_bound"] = 0.5
+    assert len(group_rows([first, second.model_copy(update={"config": config})])) == 2

@@ -101,12 +101,26 @@ def row_label(record: ResultRecord) -> str:
     return f"{record.baseline} [{', '.join(f'{k}={v}' for k, v in sorted(overrides.items()))}]"
 
 
+# A baseline's and a budget's own words: reworded, they run the same (submit and reproduce
+# compare what ran without them), so they do not split a row.
+WORDS = {"baseline": ("description", "reproduces"), "budget": ("description",)}
+
+
+def ran_hash(config: dict, without: tuple[str, ...] = ("seed",)) -> str:
+    """The hash of what a stored config ran, its keys `without` and its specs' words aside."""
+    kept = {k: v for k, v in config.items() if k not in without}
+    for part, words in WORDS.items():
+        if isinstance(kept.get(part), dict):
+            kept[part] = {k: v for k, v in kept[part].items() if k not in words}
+    return config_json_hash(kept)
+
+
 def partner_key(record: ResultRecord) -> tuple[str, int, str]:
     """Rows that differ only in the seed and the budget share this key (the config holds the
     task's version; the numerics version is the code's, so a stale row pairs only with one as
     stale)."""
-    config = {k: v for k, v in (record.config or {}).items() if k not in ("seed", "budget")}
-    return record.baseline, record_numerics_version(record), config_json_hash(config)
+    config = record.config or {}
+    return record.baseline, record_numerics_version(record), ran_hash(config, ("seed", "budget"))
 
 
 def group_eval_set(records: list[ResultRecord]) -> str | None:

@@ -18,12 +18,11 @@ from pathlib import Path
 
 from pflbench.errors import UserError
 from pflbench.numerics import NUMERICS_CHANGES, NUMERICS_VERSION
-from pflbench.results.groups import render_groups, row_label
+from pflbench.results.groups import ran_hash, render_groups, row_label
 from pflbench.results.paper import NOISE_BUDGET_PREFIX, PAPER_DIR
 from pflbench.results.schema import ResultRecord, load_record, record_numerics_version
 from pflbench.results.stats import row_interval
 from pflbench.spec.models import Budget
-from pflbench.spec.resolve import config_json_hash
 
 SCHEMA_FILE = "schema.json"
 VERIFICATION_FILE = "verification.json"  # `pflbench verify`'s stamp (results/verify.py)
@@ -160,9 +159,8 @@ def group_key(record: ResultRecord) -> tuple[str, str]:
     numerics form a row of their own, marked stale, never a mean with current ones)."""
     if record.kind == "reference" or record.config is None:
         return record.baseline, f"reference:{record.record_id}"
-    without_seed = {key: value for key, value in record.config.items() if key != "seed"}
     numerics = record_numerics_version(record)
-    return record.baseline, f"{config_json_hash(without_seed)}/numerics-{numerics}"
+    return record.baseline, f"{ran_hash(record.config)}/numerics-{numerics}"
 
 
 def group_rows(records: list[ResultRecord]) -> list[Row]:

@@ -292,6 +292,7 @@ def _listed(names: list[str], most: int = 6) -> str:
 
 def differing_keys(records: Sequence) -> list[str]:
     """The dotted config keys (and `numerics`) on which the records differ, the seed aside."""
+    from pflbench.results.groups import WORDS
     from pflbench.results.schema import record_numerics_version
 
     def flat(value, prefix: str = "") -> dict[str, object]:
@@ -302,7 +303,8 @@ def differing_keys(records: Sequence) -> list[str]:
         }
 
     configs = [flat(r.config or {}) for r in records]
-    keys = sorted({k for c in configs for k in c} - {"seed."})
+    words = {f"{part}.{word}." for part, names in WORDS.items() for word in names}
+    keys = sorted({k for c in configs for k in c} - {"seed."} - words)
     found = [k.rstrip(".") for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
     if len({record_numerics_version(r) for r in records}) > 1:
         found.append("numerics")
