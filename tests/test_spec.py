@@ -374,6 +374,19 @@ def test_cli_help_lists_every_group():
         assert f" {group} " in out.stdout, group
 
 
+def test_cli_help_shows_flags_as_flags_and_one_line_per_command():
+    """A flag's help shows no value to give (`--debug <bool>` read as `--debug true`, which
+    fails), and the command list gives each command one line."""
+    out = _cli("--help", env={"COLUMNS": "100"})
+    commands = out.stdout.split("Commands:")[1].strip().splitlines()
+    assert all(len(line.split(maxsplit=1)) == 2 for line in commands), commands
+    assert "--debug    Show full tracebacks" in out.stdout
+    for command in (["leaderboard"], ["sweep"], ["compare"]):
+        shown = _cli(*command, "--help").stdout
+        assert "--dry-run" in shown or "--check" in shown or "--json" in shown
+        assert "<bool>" not in shown, command
+
+
 def test_cli_version_alone_prints_it():
     out = _cli("--version")  # before a command is asked for
     assert out.exit_code == 0 and out.stdout.strip() == __version__
