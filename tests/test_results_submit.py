@@ -26,7 +26,13 @@ from pflbench.results.schema import (
     load_record,
     parse_record,
 )
-from pflbench.results.submit import current_config, record_path, submit, validate_record
+from pflbench.results.submit import (
+    AlreadyFiled,
+    current_config,
+    record_path,
+    submit,
+    validate_record,
+)
 from pflbench.rundir import HYPOTHESES_DIR, hypotheses_content, write_hypotheses
 from pflbench.spec.models import RunConfig
 from pflbench.spec.names import safe_name
@@ -481,7 +487,13 @@ def test_dp_budget_without_claim(tmp_path, registry, dp_record):
 
 def test_duplicates(tmp_path, registry, data, dp_record):
     accept(write_run(tmp_path / "run", dp_record), tmp_path / "results", registry, data)
-    with pytest.raises(UserError, match="duplicate"):
+    with pytest.raises(AlreadyFiled, match="run: already filed as .*json"):
+        submit(tmp_path / "run", tmp_path / "results", registry)
+    # The same id with other content in the run folder (its record edited): refused.
+    (tmp_path / "run" / "record.json").write_text(
+        json.dumps({**dp_record, "created": "2026-04-02T00:00:00+00:00"})
+    )
+    with pytest.raises(UserError, match="does not match its content"):
         submit(tmp_path / "run", tmp_path / "results", registry)
     rerun = finalize({**copy.deepcopy(dp_record), "created": "2026-04-01T00:00:00+00:00"})
     with pytest.raises(UserError, match="duplicate"):  # same config and seed, run again
@@ -572,6 +584,10 @@ def test_cli_submit_then_validate(tmp_path, dp_record, data, monkeypatch):
     result = CliRunner().invoke(app, submit_args)
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["record_id"] == dp_record["record_id"]
+    # Submitted again (a sweep's folder, over sessions): reported as filed, not refused.
+    result = CliRunner().invoke(app, submit_args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["already_filed"].endswith(f"{dp_record['record_id']}.json")
     result = CliRunner().invoke(app, ["results", "validate", *common])
     assert result.exit_code == 0 and "1 records valid (0 stale)" in result.output
     # a record edited inside results/ is caught by validate

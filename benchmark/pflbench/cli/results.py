@@ -183,16 +183,22 @@ def register(app: typer.Typer) -> None:
         filed only with the same plug-ins loaded (--plugin, same source sha256). With several
         runs, each is checked on its own (in one process, so shared accountant results are
         computed once): a refused run is reported and the others are still filed; the exit code
-        is 2 when any was refused."""
+        is 2 when any was refused. A run whose record is filed already is reported and skipped."""
         from pflbench.results.rescore import DataOptions
+        from pflbench.results.submit import AlreadyFiled
         from pflbench.results.submit import submit as submit_run
 
         data = DataOptions(data_root=data_root, progress=not as_json)
         registry = _registry(specs, plugins)
-        accepted, refused = [], []
+        accepted, refused, filed = [], [], []
         for run_dir in run_dirs:
             try:
                 one = submit_run(run_dir, results, registry, stale_ok=stale, data=data)
+            except AlreadyFiled as exc:
+                filed.append((run_dir, str(exc)))
+                if not as_json:
+                    console.print(str(exc), highlight=False)
+                continue
             except UserError as exc:
                 if len(run_dirs) == 1:
                     raise
@@ -220,9 +226,15 @@ def register(app: typer.Typer) -> None:
                 }
                 for a in accepted
             ] + [{"run_dir": str(d), "refused": why} for d, why in refused]
+            rows += [{"run_dir": str(d), "already_filed": why} for d, why in filed]
             print_json(rows[0] if len(run_dirs) == 1 else rows)
-        elif accepted:
-            console.print("run `pflbench plot` and `pflbench leaderboard` to update leaderboard.md")
+        else:
+            if filed and len(run_dirs) > 1:
+                console.print(f"{len(filed)} of {len(run_dirs)} runs were filed already")
+            if accepted:
+                console.print(
+                    "run `pflbench plot` and `pflbench leaderboard` to update leaderboard.md"
+                )
         if refused:
             raise UserError(f"{len(refused)} of {len(run_dirs)} runs refused (reasons above)")
 

@@ -40,6 +40,10 @@ EXACT_RTOL = 1e-9  # z = σ_DP·S and q = S/K are products of the claim's own nu
 SIGMA_RTOL = 1e-6  # σ_DP vs the budget's calibration (deterministic; slack for the libraries)
 
 
+class AlreadyFiled(UserError):
+    """The run's very record is filed already (same id, same content): nothing to do."""
+
+
 @dataclass(frozen=True)
 class Accepted:
     record: ResultRecord
@@ -659,9 +663,13 @@ def submit(
     check_finished(run_dir, "; submit finished runs only")
     record_file = run_dir / "record.json"
     record, raw = load_record(record_file)
+    dest = record_path(results_root, record)
+    # Filing over several sessions submits a sweep's whole folder again: its filed runs are
+    # reported as such, not refused (`results validate` checks what is filed).
+    if dest.is_file() and read_json_file(dest) == raw:
+        raise AlreadyFiled(f"{run_dir}: already filed as {dest}")
     stale = validate_record(record, raw, registry, str(record_file), stale_ok)
     check_run_dir_config(run_dir, record)
-    dest = record_path(results_root, record)
     duplicate = find_duplicate(record, dest.parent)
     if duplicate is not None:
         raise UserError(f"{record_file}: a duplicate of {duplicate} (same record or same config)")
