@@ -462,7 +462,7 @@ def test_an_adaptive_row_shows_its_clip_bound_as_the_initial_one():
     assert fmt_clip_bound(fixed) == "0.01"
 
 
-def test_a_reworded_baseline_or_budget_does_not_split_a_row():
+def test_a_reworded_baseline_or_budget_does_not_split_a_row(tmp_path):
     """Submit and reproduce compare what ran, not a spec's words: two seeds of one configuration
     filed before and after a baseline's description was reworded are one row; a recipe change
     is another row."""
@@ -478,3 +478,14 @@ def test_a_reworded_baseline_or_budget_does_not_split_a_row():
     config = json.loads(json.dumps(second.config))
     config["recipe"]["privacy"]["clip_bound"] = 0.5
     assert len(group_rows([first, second.model_copy(update={"config": config})])) == 2
+    # A seed filed twice, once reworded, is refused as one run filed twice (not two seeds).
+    root = tmp_path / "results"
+    for record in (second, reworded.model_copy(update={"created": "2026-05-01T00:00:00+00:00"})):
+        raw = record.model_dump(mode="json", exclude_none=True)
+        raw["config_hash"] = config_json_hash(raw["config"])
+        raw["record_id"] = compute_record_id(raw)
+        path = root / record.task.name / record.budget / f"{raw['record_id']}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(raw))
+    with pytest.raises(UserError, match=r"the same config \(seed included\)"):
+        load_result_files(root)

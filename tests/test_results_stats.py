@@ -210,6 +210,12 @@ def test_compare_names_each_row_as_the_leaderboard_does_and_says_what_it_measure
         "records": [older],
     }
     assert found[0]["b"]["records"] == [ours] and found[0]["noise"].startswith("speaker")
+    numerics = data["software"]["numerics_version"]
+    older_code = _filed_copy(tmp_path, data, software__numerics_version=numerics - 1)
+    shown = _compare(tmp_path, older_code, ours, "--json")
+    assert f"A ran code of numerics v{numerics - 1}, B v{numerics}" in " ".join(
+        shown.stderr.split()
+    )
     # One side of two configurations: the error names what differs.
     refused = _compare(tmp_path, f"{ours},{cohort}", ours)
     assert isinstance(refused.exception, UserError)
@@ -232,6 +238,12 @@ def test_compare_takes_run_dirs_record_files_filed_folders_and_ids(tmp_path):
         shown = _compare(tmp_path, item, ours, "--json")
         assert shown.exit_code == 0, (item, shown.output)
         assert json.loads(shown.stdout)[0]["a"]["records"] == [ours]
-    for item, why in ((tmp_path / "nothing", "no such file or folder"), (tmp_path, "a folder")):
+    paper = next((RESULTS / "paper").glob("*.json"))
+    for item, why in (
+        (tmp_path / "nothing", "no such file or folder"),
+        (tmp_path, "a folder"),
+        (Path("."), "a folder"),  # its sibling <name>.json has no name to take
+        (paper, "a reference record (a paper's number"),
+    ):
         refused = _compare(tmp_path, str(item), ours)
         assert isinstance(refused.exception, UserError) and why in str(refused.exception)

@@ -498,6 +498,11 @@ def test_duplicates(tmp_path, registry, data, dp_record):
     rerun = finalize({**copy.deepcopy(dp_record), "created": "2026-04-01T00:00:00+00:00"})
     with pytest.raises(UserError, match="duplicate"):  # same config and seed, run again
         submit(write_run(tmp_path / "rerun", rerun), tmp_path / "results", registry)
+    # ...also after the baseline's description was reworded (the same run: one row's seed).
+    reworded = copy.deepcopy(rerun)
+    reworded["config"]["baseline"]["description"] = "reworded"
+    with pytest.raises(UserError, match="duplicate"):
+        submit(write_run(tmp_path / "reworded", finalize(reworded)), tmp_path / "results", registry)
 
 
 def test_malformed_json(tmp_path, registry):

@@ -19,7 +19,8 @@ from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS
 from pflbench.privacy.accountants import calibrating
 from pflbench.privacy.example import EXAMPLE_ACCOUNTANTS
 from pflbench.privacy.mechanisms import PRIVACY_MECHANISMS, check_mechanism_recipe
-from pflbench.spec.models import Budget, Recipe, Task
+from pflbench.privacy.run import check_run_privacy
+from pflbench.spec.models import Budget, Recipe, RunConfig, Task
 from pflbench.spec.registry import Registry, load_registry
 
 
@@ -33,6 +34,16 @@ def check_task(task: Task, where: str) -> None:
             _unknown(where, "corpus", source.corpus, CORPORA)
         if CORPORA[source.corpus].needs_locale and not source.locale:
             raise UserError(f"{where}: a {source.corpus} source needs a locale")
+
+
+def check_run(config: RunConfig) -> None:
+    """What a run needs before anything starts: its budget can cover it (check_run_privacy) and
+    every method its recipe names is registered and fits it (a baseline's overrides alone cannot
+    be checked whole: the task completes them). `pflbench run` and `pflbench sweep` check this."""
+    check_run_privacy(config)
+    check_recipe(
+        config.recipe, f"task {config.task.name!r} + baseline {config.baseline.name!r} + --set"
+    )
 
 
 def check_recipe(recipe: Recipe | dict[str, Any], where: str) -> None:

@@ -39,11 +39,11 @@ from pflbench.evaluate import evaluate_task, seed_model_summary
 from pflbench.fl.distributed import DistContext, barrier, init_from_env, shutdown
 from pflbench.fl.freeze import trained_tensors
 from pflbench.fl.simulator import Simulator
-from pflbench.methods import check_recipe
+from pflbench.methods import check_run
 from pflbench.metrics_log import MetricsLog
 from pflbench.numerics import NUMERICS_CHANGES, NUMERICS_VERSION
 from pflbench.plugins import loaded_plugins
-from pflbench.privacy.run import check_run_privacy, epsilon_so_far, privacy_claim, run_sigma_dp
+from pflbench.privacy.run import epsilon_so_far, privacy_claim, run_sigma_dp
 from pflbench.privacy.sampling import sampling_rate
 from pflbench.progress import make_progress
 from pflbench.results.record import build_record, compute_info, data_info, write_record
@@ -123,13 +123,7 @@ def run(
 ) -> Path:
     """Run (or resume) a run; returns its directory."""
     elapsed = Elapsed()
-    check_run_privacy(config)
-    # Every method the resolved recipe names is registered and its options fit it, before the
-    # run folder, the data or the seed model (a baseline's overrides alone cannot be checked
-    # whole: the task completes them).
-    check_recipe(
-        config.recipe, f"task {config.task.name!r} + baseline {config.baseline.name!r} + --set"
-    )
+    check_run(config)  # before the run folder, the data or the seed model
     set_cpu_threads()
     ctx = init_from_env(options.device)
     device = f"cuda:{ctx.local_rank}" if options.device == "cuda" else options.device

@@ -143,7 +143,7 @@ def report(
     clip_bound: float = typer.Option(
         PrivacyRecipe().clip_bound,
         "--clip-bound",
-        help="C, stated in the report (ε depends on σ_DP, S, K and T only).",
+        help="C, stated in the report (ε does not depend on it: σ_DP is relative to C).",
     ),
     sampling: str = typer.Option("poisson", "--sampling", help="poisson or fixed."),
     accountant: str = typer.Option("all", "--accountant", help=f"{ANY_OR_ALL}."),
@@ -190,7 +190,9 @@ def report(
             entry = (scale or {}).get("epsilon", {}).get(name) or {}
             if entry.get("error"):
                 console.print(
-                    f"eps {name}, {label}: not computed: {entry['error']}", highlight=False
+                    f"eps {name}, {label}: not computed: {entry['error']}",
+                    highlight=False,
+                    markup=False,
                 )
     console.print(statement["how"], highlight=False)
 

@@ -297,7 +297,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("compare")
     def compare(
-        side_a: str = typer.Argument(..., help="Row A's runs, comma-separated (see below)."),
+        side_a: str = typer.Argument(..., help="Row A's runs, comma-separated (see above)."),
         side_b: str = typer.Argument(..., help="Row B's runs, comma-separated."),
         results: Path = ResultsOption,
         eval_set: list[str] = typer.Option(
@@ -311,6 +311,7 @@ def register(app: typer.Typer) -> None:
         with a 95% bootstrap CI that resamples speakers (paired) and seeds. A side is run
         directories, record files or record ids, comma-separated."""
         from pflbench.results.groups import row_label
+        from pflbench.results.schema import record_numerics_version
         from pflbench.results.stats import compare_records, load_side, unchecked_seed_models
 
         a = load_side(_split(side_a, "side A"), results)
@@ -335,6 +336,13 @@ def register(app: typer.Typer) -> None:
                 f"note: A ran {a[0].task.name} v{a[0].task.version}, B {b[0].task.name} "
                 f"v{b[0].task.version}: the rows differ in the task's recipe too, not only in the "
                 "method",
+                highlight=False,
+            )
+        numerics = [record_numerics_version(side[0]) for side in (a, b)]
+        if numerics[0] != numerics[1]:
+            err_console.print(
+                f"note: A ran code of numerics v{numerics[0]}, B v{numerics[1]}: part of the "
+                "difference may be the code's (pflbench.numerics)",
                 highlight=False,
             )
         if {r.record_id for r in a} == {r.record_id for r in b}:
@@ -788,7 +796,9 @@ def register(app: typer.Typer) -> None:
             help="Comma-separated budgets (default: each baseline's, as `pflbench run` picks it).",
         ),
         seeds: str = typer.Option("0", "--seeds", help="Comma-separated seeds."),
-        sets: list[str] = typer.Option(None, "--set", help="key.path=value for every run."),
+        sets: list[str] = typer.Option(
+            None, "--set", help="key.path=value for every run (repeatable)."
+        ),
         file: Path = typer.Option(
             None, "--file", help="A sweep file (sweeps/*.yaml): task and groups of runs."
         ),

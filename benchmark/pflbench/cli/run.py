@@ -150,7 +150,7 @@ def register(app: typer.Typer) -> None:
         """Prepare data, train or reuse the seed model, run the central steps, evaluate, and
         write the run directory with its result record."""
         from pflbench.cli.common import load_specs
-        from pflbench.privacy.run import check_run_privacy
+        from pflbench.methods import check_run
         from pflbench.rundir import default_run_dir
         from pflbench.runner import RunOptions, run
         from pflbench.spec.resolve import default_budget, resolve
@@ -164,7 +164,7 @@ def register(app: typer.Typer) -> None:
             sets.append(f"privacy.audit_canaries={audit_canaries}")
         budget = budget or default_budget(registry, task, baseline, sets)
         config = resolve(registry, task, baseline, budget, seed, sets)
-        check_run_privacy(config)  # before torchrun starts any process
+        check_run(config)  # before torchrun starts any process
         relaunch_under_torchrun(nproc)
         run_dir = resume or out or default_run_dir(config)
         run_dir = run(

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass
 
 from pflbench.results.schema import ResultRecord, record_numerics_version
-from pflbench.spec.resolve import config_json_hash
+from pflbench.spec.resolve import ran_hash
 
 MIN_SPEAKERS = 5
 UNREPORTED = "unreported"
@@ -99,20 +99,6 @@ def row_label(record: ResultRecord) -> str:
     if not overrides:
         return record.baseline
     return f"{record.baseline} [{', '.join(f'{k}={v}' for k, v in sorted(overrides.items()))}]"
-
-
-# A baseline's and a budget's own words: reworded, they run the same (submit and reproduce
-# compare what ran without them), so they do not split a row.
-WORDS = {"baseline": ("description", "reproduces"), "budget": ("description",)}
-
-
-def ran_hash(config: dict, without: tuple[str, ...] = ("seed",)) -> str:
-    """The hash of what a stored config ran, its keys `without` and its specs' words aside."""
-    kept = {k: v for k, v in config.items() if k not in without}
-    for part, words in WORDS.items():
-        if isinstance(kept.get(part), dict):
-            kept[part] = {k: v for k, v in kept[part].items() if k not in words}
-    return config_json_hash(kept)
 
 
 def partner_key(record: ResultRecord) -> tuple[str, int, str]:

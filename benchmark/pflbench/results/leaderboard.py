@@ -18,11 +18,12 @@ from pathlib import Path
 
 from pflbench.errors import UserError
 from pflbench.numerics import NUMERICS_CHANGES, NUMERICS_VERSION
-from pflbench.results.groups import ran_hash, render_groups, row_label
+from pflbench.results.groups import render_groups, row_label
 from pflbench.results.paper import NOISE_BUDGET_PREFIX, PAPER_DIR
 from pflbench.results.schema import ResultRecord, load_record, record_numerics_version
 from pflbench.results.stats import row_interval
 from pflbench.spec.models import Budget
+from pflbench.spec.resolve import ran_hash
 
 SCHEMA_FILE = "schema.json"
 VERIFICATION_FILE = "verification.json"  # `pflbench verify`'s stamp (results/verify.py)
@@ -92,9 +93,10 @@ def load_result_files(root: Path) -> list[tuple[Path, ResultRecord, dict]]:
     for path, record, _ in found:
         if record.kind != "run":
             continue
-        if runs.setdefault(record.config_hash, path) != path:
+        ran = ran_hash(record.config or {}, without=())
+        if runs.setdefault(ran, path) != path:
             raise UserError(
-                f"{path}: the same config (seed included) as {runs[record.config_hash]}; a run is "
+                f"{path}: the same config (seed included) as {runs[ran]}; a run is "
                 "filed once: remove one of them"
             )
         # Seeds of one row train different models, except where the seed changes nothing.

@@ -263,8 +263,8 @@ def load_side(items: list[str], results_root: Path) -> list:
         path = Path(item)
         if (path / "record.json").is_file():
             path = path / "record.json"
-        elif path.is_dir() and path.with_name(f"{path.name}.json").is_file():
-            path = path.with_name(f"{path.name}.json")
+        elif path.is_dir() and (path.resolve().parent / f"{path.resolve().name}.json").is_file():
+            path = path.resolve().parent / f"{path.resolve().name}.json"
         elif re.fullmatch(RECORD_ID_PATTERN, item) and not path.exists():
             found = sorted(Path(results_root).glob(f"*/*/{item}.json"))
             if not found:
@@ -275,7 +275,13 @@ def load_side(items: list[str], results_root: Path) -> list:
             raise UserError(
                 f"{item}: {what}; give a finished run directory, a record file or a record id"
             )
-        records.append(load_record(path)[0])
+        record = load_record(path)[0]
+        if record.kind != "run":
+            raise UserError(
+                f"{item}: a {record.kind} record (a paper's number, no per-speaker counts): only "
+                "runs are compared"
+            )
+        records.append(record)
     configurations = {group_key(r) for r in records}
     if len(configurations) > 1:
         raise UserError(
@@ -292,8 +298,8 @@ def _listed(names: list[str], most: int = 6) -> str:
 
 def differing_keys(records: Sequence) -> list[str]:
     """The dotted config keys (and `numerics`) on which the records differ, the seed aside."""
-    from pflbench.results.groups import WORDS
     from pflbench.results.schema import record_numerics_version
+    from pflbench.spec.resolve import WORDS
 
     def flat(value, prefix: str = "") -> dict[str, object]:
         if not isinstance(value, dict):

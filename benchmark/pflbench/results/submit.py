@@ -30,7 +30,7 @@ from pflbench.results.schema import (
 from pflbench.spec.models import Budget, PrivacyRecipe, RunConfig
 from pflbench.spec.names import safe_name
 from pflbench.spec.registry import Registry, format_validation_error
-from pflbench.spec.resolve import config_json_hash, resolve
+from pflbench.spec.resolve import config_json_hash, ran_hash, resolve
 
 if TYPE_CHECKING:
     from pflbench.privacy.accounting import MechanismDescription
@@ -589,13 +589,15 @@ def _same_json(claimed, value) -> bool:
 
 
 def find_duplicate(record: ResultRecord, folder: Path) -> Path | None:
-    """An existing record with the same id, or from the same config (same seed included)."""
+    """An existing record with the same id, or from the same config (same seed included; a
+    baseline's reworded description is the same config: ran_hash)."""
     same_id = folder / f"{record.record_id}.json"
     if same_id.exists():
         return same_id
+    ran = ran_hash(record.config or {}, without=())
     for path in sorted(folder.glob("*.json")):
         other, _ = load_record(path)
-        if other.config_hash is not None and other.config_hash == record.config_hash:
+        if other.config is not None and ran_hash(other.config, without=()) == ran:
             return path
     return None
 

@@ -22,8 +22,8 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from pflbench.errors import UserError
+from pflbench.methods import check_run
 from pflbench.numerics import NUMERICS_VERSION
-from pflbench.privacy.run import check_run_privacy
 from pflbench.results.plots import PlotReport, plot_results, plot_run
 from pflbench.results.schema import ResultRecord, load_record, record_numerics_version
 from pflbench.results.submit import what_ran
@@ -73,7 +73,12 @@ class SweepGroup(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     baselines: list[str] = Field(min_length=1)
-    budgets: list[str] = Field(["none"], min_length=1)
+    budgets: list[str] = Field(
+        ["none"],
+        min_length=1,
+        description="A group without budgets runs without DP (on the command line a baseline's "
+        "default is the budget `pflbench run` gives it).",
+    )
     seeds: list[int] = Field([0], min_length=1)
     set: list[str] = Field([], description="--set overrides for every run of the group.")
 
@@ -273,9 +278,9 @@ def check_sweep(sweep: SweepFile, registry: Registry) -> None:
                     config = resolve(
                         registry, sweep.task, baseline, budget, group.seeds[0], group.set
                     )
-                    check_run_privacy(config)
+                    check_run(config)
                 except UserError as exc:
-                    sets = f" --set {' '.join(group.set)}" if group.set else ""
+                    sets = "".join(f" --set {item}" for item in group.set)
                     raise UserError(f"sweep run {baseline} at {budget}{sets}: {exc}") from None
 
 

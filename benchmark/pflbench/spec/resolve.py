@@ -107,6 +107,22 @@ def config_json_hash(config_json: dict) -> str:
     return hashlib.sha256(canonical_json(config_json).encode()).hexdigest()
 
 
+# A baseline's and a budget's own words: reworded, they run the same, so a filed run and its
+# rerun after the rewording are one configuration (one leaderboard row, one filed run per seed).
+WORDS = {"baseline": ("description", "reproduces"), "budget": ("description",)}
+
+
+def ran_hash(config: dict, without: tuple[str, ...] = ("seed",)) -> str:
+    """The hash of a stored config (RunConfig's JSON) with its keys `without` and its baseline's
+    and budget's words (WORDS) left out: what the leaderboard groups seeds by, and what a filed
+    run may not repeat (seed included)."""
+    kept = {k: v for k, v in config.items() if k not in without}
+    for part, words in WORDS.items():
+        if isinstance(kept.get(part), dict):
+            kept[part] = {k: v for k, v in kept[part].items() if k not in words}
+    return config_json_hash(kept)
+
+
 def config_hash(config: RunConfig) -> str:
     return config_json_hash(config.model_dump(mode="json"))
 
