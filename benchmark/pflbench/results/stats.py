@@ -297,21 +297,20 @@ def _listed(names: list[str], most: int = 6) -> str:
 
 
 def differing_keys(records: Sequence) -> list[str]:
-    """The dotted config keys (and `numerics`) on which the records differ, the seed aside."""
+    """The dotted config keys (and `numerics`) on which the records differ, the seed and the
+    specs' words aside (spec.resolve.what_config_ran)."""
+    from pflbench.results.rescore import differences
     from pflbench.results.schema import record_numerics_version
-    from pflbench.spec.resolve import WORDS
+    from pflbench.spec.resolve import what_config_ran
 
-    def flat(value, prefix: str = "") -> dict[str, object]:
-        if not isinstance(value, dict):
-            return {prefix: value}
-        return {
-            k: v for key, item in value.items() for k, v in flat(item, prefix + key + ".").items()
+    first, *others = [what_config_ran(r.config or {}) for r in records]
+    found = sorted(
+        {
+            field.removeprefix("config.")
+            for other in others
+            for field, _, _ in differences(first, other, "config")
         }
-
-    configs = [flat(r.config or {}) for r in records]
-    words = {f"{part}.{word}." for part, names in WORDS.items() for word in names}
-    keys = sorted({k for c in configs for k in c} - {"seed."} - words)
-    found = [k.rstrip(".") for k in keys if len({repr(c.get(k)) for c in configs}) > 1]
+    )
     if len({record_numerics_version(r) for r in records}) > 1:
         found.append("numerics")
     return found or ["the kind of record"]

@@ -112,15 +112,20 @@ def config_json_hash(config_json: dict) -> str:
 WORDS = {"baseline": ("description", "reproduces"), "budget": ("description",)}
 
 
-def ran_hash(config: dict, without: tuple[str, ...] = ("seed",)) -> str:
-    """The hash of a stored config (RunConfig's JSON) with its keys `without` and its baseline's
-    and budget's words (WORDS) left out: what the leaderboard groups seeds by, and what a filed
-    run may not repeat (seed included)."""
+def what_config_ran(config: dict, without: tuple[str, ...] = ("seed",)) -> dict:
+    """A stored config (RunConfig's JSON) with its keys `without` and its baseline's and
+    budget's words (WORDS) left out."""
     kept = {k: v for k, v in config.items() if k not in without}
     for part, words in WORDS.items():
         if isinstance(kept.get(part), dict):
             kept[part] = {k: v for k, v in kept[part].items() if k not in words}
-    return config_json_hash(kept)
+    return kept
+
+
+def ran_hash(config: dict, without: tuple[str, ...] = ("seed",)) -> str:
+    """The hash of what_config_ran: what the leaderboard groups seeds by, and what a filed run
+    may not repeat (seed included)."""
+    return config_json_hash(what_config_ran(config, without))
 
 
 def config_hash(config: RunConfig) -> str:
