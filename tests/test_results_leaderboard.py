@@ -417,7 +417,9 @@ def test_split_sweeps_moves_what_is_filed_into_the_manifest(tmp_path):
     for command in (board, ["results", "validate", *args]):
         refused = str(CliRunner().invoke(app, command).exception)
         assert "seeds [1, 2] are filed and still declared to run by" in refused, refused
-    assert "3 filed runs moved" in split() and not to_run.exists()
+    moved = split()
+    assert "3 filed runs moved" in moved and not to_run.exists()
+    assert "every declared run is filed; removed" in moved and not to_run.parent.exists()
     manifest = load_sweep_file(sweeps / "fx.yaml")
     filed = [(g.seeds, g.set) for g in manifest.groups]  # a configuration's seeds in one group
     assert filed == [([0, 1, 2], []), ([0], ["federated.cohort_size=4"])]

@@ -511,7 +511,8 @@ def register(app: typer.Typer) -> None:
         """Move what is filed of the sweep files in sweeps/to-run/ (declared, not yet run) into
         the manifest of the same name in sweeps/, one group per configuration: a task's new
         version files its matrix over several sessions (docs/RESULTS.md). A to-run file with
-        nothing left is removed. Then `pflbench leaderboard` holds results/ to the manifest."""
+        nothing left is removed, and the folder once it is empty. Then `pflbench leaderboard` holds
+        results/ to the manifest."""
         from pflbench.results.leaderboard import load_results
         from pflbench.results.sweep import (
             SweepFile,
@@ -547,6 +548,9 @@ def register(app: typer.Typer) -> None:
             console.print(
                 f"{path}: {moved} filed runs moved to {manifest}; {to_go} left", highlight=False
             )
+        if not any(to_run.iterdir()):  # every declared run is filed
+            to_run.rmdir()
+            console.print(f"{to_run}: every declared run is filed; removed", highlight=False)
 
     @group.command("rescore")
     def rescore(
