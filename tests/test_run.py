@@ -593,7 +593,7 @@ def test_a_bandmf_simulator_resumed_mid_band_ends_in_the_same_model(tiny_task_da
 
 def test_rerunning_a_finished_run_reports_it_and_an_unfinished_one_needs_resume(tmp_path):
     from pflbench.errors import UserError
-    from pflbench.rundir import prepare_run_dir
+    from pflbench.rundir import config_to_continue, prepare_run_dir
     from pflbench.spec.registry import load_registry
     from pflbench.spec.resolve import resolve
 
@@ -612,6 +612,17 @@ def test_rerunning_a_finished_run_reports_it_and_an_unfinished_one_needs_resume(
     a_file.write_text("")
     with pytest.raises(UserError, match="notes.txt: a file, not a run directory"):
         prepare_run_dir(config, a_file, resume=False)
+    # The baseline reworded since the run began: the same run, which keeps its own config.
+    reworded = config.model_copy(
+        update={"baseline": config.baseline.model_copy(update={"description": "reworded"})}
+    )
+    for done in (True, False):  # a rerun of a finished run; a resume of an unfinished one
+        (run_dir / "DONE").unlink(missing_ok=True)
+        if done:
+            (run_dir / "DONE").write_text("done\n")
+        prepare_run_dir(reworded, run_dir, resume=not done)
+        assert config_to_continue(reworded, run_dir) == config
+    assert config_to_continue(config, run_dir) is config
 
 
 def test_per_utterance_errors_and_speaker_counts_feed_pflbench_compare(env, tmp_path):

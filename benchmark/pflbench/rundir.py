@@ -30,7 +30,7 @@ from pflbench.errors import UserError
 from pflbench.files import atomic_write, atomic_write_text
 from pflbench.spec.models import RunConfig
 from pflbench.spec.names import safe_name
-from pflbench.spec.resolve import canonical_json, config_hash
+from pflbench.spec.resolve import canonical_json, config_hash, ran_hash
 
 
 def default_run_dir(config: RunConfig, root: Path = Path("runs")) -> Path:
@@ -63,7 +63,9 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> None:
     """Create the run directory, or check that an existing one holds this very config.
 
     An identical run that already finished is accepted without `--resume` (re-running the same
-    command, e.g. `make demo`, reports it); an unfinished one needs `--resume`."""
+    command, e.g. `make demo`, reports it); an unfinished one needs `--resume`. A run whose
+    baseline or budget was only reworded since it began (spec.resolve.WORDS) is the same run; it
+    goes on with its own config (config_to_continue)."""
     if run_dir.exists() and not run_dir.is_dir():
         raise UserError(f"{run_dir}: a file, not a run directory; choose another --out")
     config_json = json.dumps(config.model_dump(mode="json"), indent=2, sort_keys=True)
@@ -71,9 +73,8 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> None:
     if resume or is_done(run_dir):
         if not existing.is_file():
             raise UserError(f"--resume {run_dir}: no config.json there (not a run directory)")
-        if canonical_json(json.loads(existing.read_text())) != canonical_json(
-            config.model_dump(mode="json")
-        ):
+        stored = json.loads(existing.read_text())
+        if ran_hash(stored, without=()) != ran_hash(config.model_dump(mode="json"), without=()):
             raise UserError(
                 f"{run_dir}: its config.json differs from this command's resolved config "
                 "(resume with the same --task/--baseline/--budget/--seed/--set, "
@@ -87,6 +88,16 @@ def prepare_run_dir(config: RunConfig, run_dir: Path, resume: bool) -> None:
         )
     (run_dir / "checkpoints").mkdir(parents=True, exist_ok=True)
     atomic_write_text(existing, config_json + "\n")
+
+
+def config_to_continue(config: RunConfig, run_dir: Path) -> RunConfig:
+    """The config a prepared run goes on with: its own config.json, where that differs from
+    `config` only in the specs' words (prepare_run_dir accepted it), so that its checkpoints and
+    record keep the config it began with; else `config`."""
+    stored = json.loads((run_dir / "config.json").read_text())
+    if canonical_json(stored) == canonical_json(config.model_dump(mode="json")):
+        return config
+    return RunConfig.model_validate(stored)
 
 
 ERROR_KEYS = ("utt_id", "speaker", "word_errors", "words", "char_errors", "chars")

@@ -50,6 +50,7 @@ from pflbench.results.record import build_record, compute_info, data_info, write
 from pflbench.results.schema import Outputs
 from pflbench.rundir import (
     HYPOTHESES_DIR,
+    config_to_continue,
     default_run_dir,
     is_done,
     mark_done,
@@ -134,6 +135,7 @@ def run(
         if is_done(run_dir):
             return run_dir
         barrier(ctx)
+        config = config_to_continue(config, run_dir)
         data, model, seed_path = _prepare(config, ctx, device, options)
         if not data.federated_train.users():
             raise UserError(f"task {config.task.name!r}: the federated training data has no users")
