@@ -181,13 +181,13 @@ def test_compare_names_each_row_as_the_leaderboard_does_and_says_what_it_measure
     """Two rows of one baseline and budget that differ in a --set override and in the task's
     version: compare labels them apart, notes the version, and with one seed a side says seed
     noise is unmeasured; --json names each side's records."""
-    source = next(
-        p
-        for p in sorted(RESULTS.glob("synth-cv-en-ls-seed/none/*.json"))
-        if json.loads(p.read_text())["baseline"] == "fedavg"
-        and not json.loads(p.read_text())["config"].get("overrides")
+    fedavg = [
+        json.loads(p.read_text()) for p in sorted(RESULTS.glob("synth-cv-en-ls-seed/none/*.json"))
+    ]
+    data = max(  # a current run: its row is not stale
+        (r for r in fedavg if r["baseline"] == "fedavg" and not r["config"].get("overrides")),
+        key=lambda r: (r["task"]["version"], r["software"]["numerics_version"]),
     )
-    data = json.loads(source.read_text())
     version = data["task"]["version"]
     ours = _filed_copy(tmp_path, data)
     older = _filed_copy(
@@ -215,6 +215,9 @@ def test_compare_names_each_row_as_the_leaderboard_does_and_says_what_it_measure
     shown = _compare(tmp_path, older_code, ours, "--json")
     assert f"A ran code of numerics v{numerics - 1}, B v{numerics}" in " ".join(
         shown.stderr.split()
+    )
+    assert json.loads(shown.stdout)[0]["a"]["row"].startswith(
+        f"fedavg ⚠ stale (numerics v{numerics - 1}) / none"
     )
     # One side of two configurations: the error names what differs.
     refused = _compare(tmp_path, f"{ours},{cohort}", ours)

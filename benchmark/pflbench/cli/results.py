@@ -310,7 +310,7 @@ def register(app: typer.Typer) -> None:
         """Paired comparison of two rows (one or more seeds each): WER(A) - WER(B) per eval set
         with a 95% bootstrap CI that resamples speakers (paired) and seeds. A side is run
         directories, record files or record ids, comma-separated."""
-        from pflbench.results.groups import row_label
+        from pflbench.results.leaderboard import Row, fmt_baseline
         from pflbench.results.schema import record_numerics_version
         from pflbench.results.stats import compare_records, load_side, unchecked_seed_models
 
@@ -325,10 +325,11 @@ def register(app: typer.Typer) -> None:
                 highlight=False,
             )
 
-        def label(side: list) -> str:
+        def label(side: list) -> str:  # the leaderboard's name of the row, and its seeds
             r = side[0]
             seeds = f"{len(side)} seed{'s' if len(side) != 1 else ''}"
-            return f"{row_label(r)} / {r.budget}, {r.task.name} v{r.task.version} ({seeds})"
+            name = fmt_baseline(Row(tuple(side)), None)
+            return f"{name} / {r.budget}, {r.task.name} v{r.task.version} ({seeds})"
 
         tasks = {(r.task.name, r.task.version) for r in (a[0], b[0])}
         if len(tasks) > 1:
