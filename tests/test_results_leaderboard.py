@@ -402,8 +402,12 @@ def test_split_sweeps_moves_what_is_filed_into_the_manifest(tmp_path):
     file(0, [])
     older = resolve(registry, "fx-task", "fedavg", "fx-nodp", 1, []).model_dump(mode="json")
     older["task"]["version"] -= 1  # another version's run does not file this one's seed 1
-    _file_run(root, older)
+    older_file = _file_run(root, older)
+    older_file.with_suffix("").mkdir()  # where submit keeps a filed run's hypotheses
     assert "nothing of it is filed yet" not in split()
+    retire = ["results", "retire-replaced", "--results", str(root), "--specs", str(FX_SPECS)]
+    # The older version's seed 1 stands in: its row's seed 1 is not filed at this version yet.
+    assert "0 replaced runs removed" in CliRunner().invoke(app, retire).output
     manifest = load_sweep_file(sweeps / "fx.yaml")
     assert [(g.seeds, g.set) for g in manifest.groups] == [([0], [])]
     left = load_sweep_file(to_run)
@@ -419,6 +423,12 @@ def test_split_sweeps_moves_what_is_filed_into_the_manifest(tmp_path):
         assert "seeds [1, 2] are filed and still declared to run by" in refused, refused
     moved = split()
     assert "3 filed runs moved" in moved and not to_run.exists()
+    # Now it is: the older version's record leaves, with its folder; the current ones stay.
+    assert f"would remove {older_file}" in CliRunner().invoke(app, [*retire, "--dry-run"]).output
+    assert older_file.exists()
+    assert "1 replaced runs removed" in CliRunner().invoke(app, retire).output
+    assert not older_file.exists() and not older_file.with_suffix("").exists()
+    assert len(list(root.rglob("*.json"))) == 4
     assert "every declared run is filed; removed" in moved and not to_run.parent.exists()
     manifest = load_sweep_file(sweeps / "fx.yaml")
     filed = [(g.seeds, g.set) for g in manifest.groups]  # a configuration's seeds in one group

@@ -4,6 +4,7 @@ paper, schema), plot, sweep."""
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import typer
@@ -552,6 +553,27 @@ def register(app: typer.Typer) -> None:
         if not any(to_run.iterdir()):  # every declared run is filed
             to_run.rmdir()
             console.print(f"{to_run}: every declared run is filed; removed", highlight=False)
+
+    @group.command("retire-replaced")
+    def retire_replaced(
+        results: Path = ResultsOption,
+        specs: list[Path] = SpecsOption,
+        plugins: list[str] = PluginOption,
+        dry_run: bool = typer.Option(False, "--dry-run", help="List them; remove nothing."),
+    ) -> None:
+        """Remove filed runs of an older task version whose rows are filed again at the current
+        version with all their seeds (and today's numerics): a new version's matrix, filed over
+        sessions, replaces the old one row by row (docs/RESULTS.md). Git history keeps them."""
+        from pflbench.results.leaderboard import filed_dir, load_result_files
+        from pflbench.results.sweep import replaced_records
+
+        paths = replaced_records(load_result_files(results), _registry(specs, plugins))
+        for path in paths:
+            if not dry_run:
+                path.unlink()
+                shutil.rmtree(filed_dir(path), ignore_errors=True)
+            console.print(f"{'would remove' if dry_run else 'removed'} {path}", highlight=False)
+        console.print(f"{len(paths)} replaced runs {'found' if dry_run else 'removed'}")
 
     @group.command("rescore")
     def rescore(

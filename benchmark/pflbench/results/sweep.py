@@ -145,6 +145,38 @@ def filed_runs(records: list[ResultRecord]) -> list[tuple[ResultRecord, str]]:
     ]  # fmt: skip
 
 
+def replaced_records(
+    found: list[tuple[Path, ResultRecord, dict]], registry: Registry
+) -> list[Path]:
+    """Filed runs of an older version of a task whose row (baseline, budget, --set overrides) is
+    filed again at the task's current version and today's numerics, every one of their seeds
+    with it: the row they stood in for is replaced, and they would only stand beside it, stale
+    (`pflbench results retire-replaced`). `found`: load_result_files's."""
+
+    def row(r: ResultRecord) -> tuple:
+        return r.task.name, r.baseline, r.budget, canonical_json(r.config.get("overrides") or {})
+
+    def version(r: ResultRecord) -> int | None:
+        task = registry.tasks.get(r.task.name)
+        return task.spec.version if task is not None else None
+
+    runs = [(path, r) for path, r, _ in found if r.kind == "run" and r.config is not None]
+    current: dict[tuple, set[int]] = {}
+    for _, r in runs:
+        if r.task.version == version(r) and record_numerics_version(r) == NUMERICS_VERSION:
+            current.setdefault(row(r), set()).add(r.seed)
+    older: dict[tuple, list[tuple[Path, int]]] = {}
+    for path, r in runs:
+        if version(r) is not None and r.task.version < version(r):
+            older.setdefault(row(r), []).append((path, r.seed))
+    return sorted(
+        path
+        for key, items in older.items()
+        if {seed for _, seed in items} <= current.get(key, set())
+        for path, _ in items
+    )
+
+
 def check_declared_seeds(
     records: list[ResultRecord], sweeps: list[tuple[Path, SweepFile]], registry: Registry
 ) -> None:
