@@ -263,8 +263,11 @@ def load_side(items: list[str], results_root: Path) -> list:
         path = Path(item)
         if (path / "record.json").is_file():
             path = path / "record.json"
-        elif path.is_dir() and (path.resolve().parent / f"{path.resolve().name}.json").is_file():
-            path = path.resolve().parent / f"{path.resolve().name}.json"
+        elif (
+            path.is_dir()
+            and (beside := path.resolve().parent / f"{path.resolve().name}.json").is_file()
+        ):
+            path = beside
         elif re.fullmatch(RECORD_ID_PATTERN, item) and not path.exists():
             found = sorted(Path(results_root).glob(f"*/*/{item}.json"))
             if not found:
@@ -313,4 +316,4 @@ def differing_keys(records: Sequence) -> list[str]:
     )
     if len({record_numerics_version(r) for r in records}) > 1:
         found.append("numerics")
-    return found or ["the kind of record"]
+    return found
