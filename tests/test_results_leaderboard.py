@@ -82,9 +82,10 @@ def test_a_runs_set_overrides_name_its_row():
     rows a reader can tell apart: the baseline cell names the overrides."""
     records = load_results(GOLDEN / "results")
     run = next(r for r in records if r.kind == "run" and r.baseline == "perlayer-dim")
-    tuned = run.model_copy(update={
-        "record_id": "0" * 16,
-        "config": {**run.config, "overrides": {"federated.server.lr": "0.5"}}})  # fmt: skip
+    config = json.loads(json.dumps(run.config))
+    config["overrides"] = {"federated.server.lr": "0.5"}
+    config["recipe"]["federated"]["server"]["lr"] = 0.5
+    tuned = run.model_copy(update={"record_id": "0" * 16, "config": config})
     text = render_golden([*records, tuned])
     assert "| perlayer-dim [federated.server.lr=0.5] (rule: " in text
     assert "| perlayer-dim (rule: " in text  # the run without overrides keeps its plain name
@@ -501,3 +502,23 @@ def test_a_reworded_baseline_or_budget_does_not_split_a_row(tmp_path):
         path.write_text(json.dumps(raw))
     with pytest.raises(UserError, match=r"the same config \(seed included\)"):
         load_result_files(root)
+
+
+def test_two_spellings_of_one_set_value_are_one_row_named_one_way():
+    """`--set federated.server.lr=1e-3` and `=0.001` resolve to one recipe: one row, one label
+    (the recipe's value), and a different value is another row."""
+    from pflbench.results.groups import row_label
+    from pflbench.results.leaderboard import group_rows
+
+    row = next(r for r in group_rows(load_results(GOLDEN / "results")) if len(r.records) > 1)
+
+    def spelled(record, typed: str, lr: float):
+        config = json.loads(json.dumps(record.config))
+        config["overrides"] = {"federated.server.lr": typed}
+        config["recipe"]["federated"]["server"]["lr"] = lr
+        return record.model_copy(update={"config": config})
+
+    first, second = spelled(row.records[0], "1e-3", 1e-3), spelled(row.records[1], ".001", 1e-3)
+    assert len(group_rows([first, second])) == 1
+    assert row_label(first) == row_label(second) == f"{first.baseline} [federated.server.lr=0.001]"
+    assert len(group_rows([first, spelled(row.records[1], "0.002", 2e-3)])) == 2

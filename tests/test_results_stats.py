@@ -193,7 +193,12 @@ def test_compare_names_each_row_as_the_leaderboard_does_and_says_what_it_measure
     older = _filed_copy(
         tmp_path, data, task__version=version - 1, config__task__version=version - 1
     )
-    cohort = _filed_copy(tmp_path, data, config__overrides={"federated.cohort_size": 8})
+    cohort = _filed_copy(
+        tmp_path,
+        data,
+        config__overrides={"federated.cohort_size": "8"},
+        config__recipe__federated__cohort_size=8,
+    )
     shown = _compare(tmp_path, cohort, ours, "--eval-set", "cv-test")
     assert shown.exit_code == 0, shown.output
     lines = shown.stdout.splitlines()
@@ -222,7 +227,7 @@ def test_compare_names_each_row_as_the_leaderboard_does_and_says_what_it_measure
     # One side of two configurations: the error names what differs.
     refused = _compare(tmp_path, f"{ours},{cohort}", ours)
     assert isinstance(refused.exception, UserError)
-    assert "differing in overrides.federated.cohort_size" in str(refused.exception)
+    assert "differing in recipe.federated.cohort_size" in str(refused.exception)
     refused = _compare(tmp_path, ours, cohort, "--eval-set", "nothing")
     assert "(they share cv-dev, cv-test, ls-dev-clean)" in str(refused.exception)
 

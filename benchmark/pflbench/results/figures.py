@@ -36,7 +36,7 @@ from pflbench.results.stats import row_interval
 from pflbench.results.validity import COHORT_KEY, SERVER_LR_KEY, dev_wer
 from pflbench.spec.models import Budget
 from pflbench.spec.names import safe_name
-from pflbench.spec.resolve import canonical_json
+from pflbench.spec.resolve import canonical_json, set_values
 
 FIGURES_VERSION = 2  # bump when the drawing changes, so that every figure is drawn again
 MANIFEST = "figures.json"  # in the figures folder: figure -> task, title, digest
@@ -84,7 +84,7 @@ def overrides_of(record: ResultRecord) -> dict[str, str]:
     """The --set overrides of a run, or the ones a reference row's configuration needs."""
     if record.provenance is not None:
         return dict(record.provenance.overrides)
-    return dict((record.config or {}).get("overrides") or {})
+    return set_values(record.config or {})
 
 
 PHRASES = {  # --set key -> how a figure's legend says it

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass
 
 from pflbench.results.schema import ResultRecord, record_numerics_version
-from pflbench.spec.resolve import ran_hash
+from pflbench.spec.resolve import ran_hash, set_values
 
 MIN_SPEAKERS = 5
 UNREPORTED = "unreported"
@@ -95,7 +95,7 @@ def worst_group(groups: dict[str, dict[str, GroupWer]]) -> tuple[str, str, Group
 
 def row_label(record: ResultRecord) -> str:
     """The baseline, with the run's --set overrides when it has any (a cohort-sweep row)."""
-    overrides = (record.config or {}).get("overrides") or {}
+    overrides = set_values(record.config or {})
     if not overrides:
         return record.baseline
     return f"{record.baseline} [{', '.join(f'{k}={v}' for k, v in sorted(overrides.items()))}]"

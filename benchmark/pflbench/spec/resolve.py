@@ -113,13 +113,37 @@ WORDS = {"baseline": ("description", "reproduces"), "budget": ("description",)}
 
 
 def what_config_ran(config: dict, without: tuple[str, ...] = ("seed",)) -> dict:
-    """A stored config (RunConfig's JSON) with its keys `without` and its baseline's and
-    budget's words (WORDS) left out."""
-    kept = {k: v for k, v in config.items() if k not in without}
+    """A stored config (RunConfig's JSON) with its keys `without`, its baseline's and budget's
+    words (WORDS) and its --set overrides as typed left out: the recipe holds what they set, so
+    `lr=1e-3` and `lr=0.001` ran the same."""
+    kept = {k: v for k, v in config.items() if k not in (*without, "overrides")}
     for part, words in WORDS.items():
         if isinstance(kept.get(part), dict):
             kept[part] = {k: v for k, v in kept[part].items() if k not in words}
     return kept
+
+
+_MISSING = object()
+
+
+def set_values(config: dict) -> dict[str, str]:
+    """A stored config's --set overrides, each with the value its recipe resolved it to, spelled
+    one way (`1e-3`, `.001` and `0.001` all read `0.001`): how rows and figures name them."""
+    out = {}
+    for key, typed in (config.get("overrides") or {}).items():
+        node: Any = config.get("recipe") or {}
+        for part in key.split("."):
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        out[key] = typed if node is _MISSING else _spell(node)
+    return out
+
+
+def _spell(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, float):
+        return repr(value).removesuffix(".0")  # 500, as typed, not 500.0
+    return canonical_json(value)  # ints, true/false/null as YAML reads them, lists, mappings
 
 
 def ran_hash(config: dict, without: tuple[str, ...] = ("seed",)) -> str:
