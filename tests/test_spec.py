@@ -11,7 +11,9 @@ import sys
 import textwrap
 from pathlib import Path
 
+import click
 import pytest
+import typer
 from click.testing import Result
 from pydantic import Field
 from typer.testing import CliRunner
@@ -390,6 +392,26 @@ def test_cli_help_shows_flags_as_flags_and_one_line_per_command():
         shown = _cli(command, "--help").stdout
         assert re.search(rf"^  {flag} {{2,}}\w", shown, re.MULTILINE), shown  # no value after it
         assert "<bool>" not in shown, command
+
+
+def _commands(group: typer.Typer | click.Group, path: tuple[str, ...] = ()):
+    """Every leaf command's argv path under the CLI."""
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            yield from _commands(command, (*path, name))
+        else:
+            yield (*path, name)
+
+
+def test_cli_help_names_repeatable_options_by_what_they_take():
+    """A repeatable option reads `--set KEY.PATH=VALUE`, not typer's `--set <list[str]>`."""
+    root = typer.main.get_command(app)
+    seen = 0
+    for path in _commands(root):
+        shown = _cli(*path, "--help", env={"COLUMNS": "200"}).stdout
+        assert not re.search(r"--\S+ <list\[", shown), (path, shown)
+        seen += "--set KEY.PATH=VALUE" in shown
+    assert seen >= 3  # run, sweep, bench model
 
 
 def test_cli_version_alone_prints_it():

@@ -23,11 +23,13 @@ err_console = Console(stderr=True, width=_WIDTH)
 SpecsOption = typer.Option(
     None,
     "--specs",
+    metavar="DIR",
     help="Extra folder(s) of task/baseline/budget YAMLs (also PFLBENCH_SPECS, ':'-separated).",
 )
 PluginOption = typer.Option(
     None,
     "--plugin",
+    metavar="PATH_OR_MODULE",
     help="A plug-in to load: a .py file or a module that registers methods (repeatable; also "
     "PFLBENCH_PLUGINS, os.pathsep-separated, and the `pflbench.plugins` entry points).",
 )

@@ -88,7 +88,10 @@ def register(app: typer.Typer) -> None:
         task: str = typer.Option(..., "--task", help="Task name (see `pflbench tasks list`)."),
         device: str = DeviceOption,
         sets: list[str] = typer.Option(
-            None, "--set", help="Recipe override key.path=value (repeatable)."
+            None,
+            "--set",
+            metavar="KEY.PATH=VALUE",
+            help="Recipe override key.path=value (repeatable).",
         ),
         seed: int = typer.Option(0, "--seed", help="Run seed."),
         specs: list[Path] = SpecsOption,

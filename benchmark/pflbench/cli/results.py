@@ -302,7 +302,10 @@ def register(app: typer.Typer) -> None:
         side_b: str = typer.Argument(..., help="Row B's runs, comma-separated."),
         results: Path = ResultsOption,
         eval_set: list[str] = typer.Option(
-            None, "--eval-set", help="Compare on this eval set (repeatable); default: all shared."
+            None,
+            "--eval-set",
+            metavar="NAME",
+            help="Compare on this eval set (repeatable); default: all shared.",
         ),
         replicates: int = typer.Option(2000, "--replicates", min=100, help="Bootstrap draws."),
         seed: int = typer.Option(0, "--seed", help="Seed of the bootstrap."),
@@ -390,7 +393,10 @@ def register(app: typer.Typer) -> None:
     def validity(
         task: str = typer.Option(..., "--task", help="The embedded task."),
         table: list[str] = typer.Option(
-            None, "--table", help='Only this paper table, e.g. "002 Table 9" (repeatable).'
+            None,
+            "--table",
+            metavar="TABLE",
+            help='Only this paper table, e.g. "002 Table 9" (repeatable).',
         ),
         results: Path = ResultsOption,
         specs: list[Path] = SpecsOption,
@@ -780,7 +786,10 @@ def register(app: typer.Typer) -> None:
         task: str = typer.Option(None, "--task", help="Only this task (default: every task)."),
         results: Path = ResultsOption,
         run: list[Path] = typer.Option(
-            None, "--run", help="A run folder: also plot its layer norms and training curves."
+            None,
+            "--run",
+            metavar="RUN_DIR",
+            help="A run folder: also plot its layer norms and training curves.",
         ),
         out: Path = typer.Option(
             FIGURES_DIR, "--out", help="Where the figures go (leaderboard.md embeds docs/figures)."
@@ -824,7 +833,10 @@ def register(app: typer.Typer) -> None:
         ),
         seeds: str = typer.Option("0", "--seeds", help="Comma-separated seeds."),
         sets: list[str] = typer.Option(
-            None, "--set", help="key.path=value for every run (repeatable)."
+            None,
+            "--set",
+            metavar="KEY.PATH=VALUE",
+            help="key.path=value for every run (repeatable).",
         ),
         file: Path = typer.Option(
             None, "--file", help="A sweep file (sweeps/*.yaml): task and groups of runs."

@@ -104,7 +104,10 @@ def register(app: typer.Typer) -> None:
         ),
         seed: int = typer.Option(0, "--seed", help="Run seed (cohorts, batches, noise)."),
         sets: list[str] = typer.Option(
-            None, "--set", help="Recipe override key.path=value (repeatable)."
+            None,
+            "--set",
+            metavar="KEY.PATH=VALUE",
+            help="Recipe override key.path=value (repeatable).",
         ),
         device: str = DeviceOption,
         out: Path = typer.Option(
