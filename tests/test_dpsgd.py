@@ -326,6 +326,25 @@ def test_an_example_with_a_nan_or_inf_gradient_contributes_zeros_and_is_counted(
     assert torch.equal(params[0].summed_grad, expected)
 
 
+def test_each_step_draws_a_poisson_batch_at_rate_b_over_n(utterances, monkeypatch):
+    """The accountant covers Poisson batches: each example joins each step independently with
+    probability q = B/N, so batch sizes vary as Binomial(N, q) and every example's rate is q.
+    A fixed-size batch (variance 0), which the accountant does not cover, fails here."""
+    trainer = trainer_for(utterances, batch=4)
+    drawn: list[list[int]] = []
+    monkeypatch.setattr(trainer, "noised_gradient", lambda chosen, step: drawn.append(chosen) or {})
+    steps, n = 600, len(utterances)
+    for _ in range(steps):
+        trainer.run_step()
+    q = 4 / n
+    sizes = torch.tensor([len(batch) for batch in drawn], dtype=torch.float64)
+    binomial_var = n * q * (1 - q)
+    assert abs(sizes.mean().item() - n * q) < 5 * math.sqrt(binomial_var / steps)
+    assert 0.6 < sizes.var().item() / binomial_var < 1.5  # ~7 standard errors either side
+    counts = torch.bincount(torch.tensor([i for batch in drawn for i in batch]), minlength=n)
+    assert all(abs(c - steps * q) < 5 * math.sqrt(steps * q * (1 - q)) for c in counts.tolist())
+
+
 @pytest.mark.parametrize("clipping", ["global", "perlayer"])
 def test_the_noise_has_std_z_times_c_over_the_expected_batch(utterances, clipping):
     z, clip, batch = 1.7, 0.3, 4

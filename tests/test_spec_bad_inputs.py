@@ -147,6 +147,17 @@ def test_infinite_and_nan_floats_are_refused(tmp_path, files, needles):
     _refused(files, tmp_path, needles)
 
 
+def test_a_user_budgets_delta_must_be_below_one_over_its_population(tmp_path):
+    """At δ >= 1/K, releasing one random user's data verbatim meets (0, δ)-DP: a void claim."""
+    _refused(
+        _budgets(delta="0.001", population="1000"),
+        tmp_path,
+        ["budgets[0]", "delta 0.001 must be below 1/population = 0.001"],
+    )
+    d = _spec_dir(tmp_path / "ok", _budgets(delta="0.000999", population="1000"))
+    assert load_registry([d]).budget("my-budget").spec.delta == 0.000999
+
+
 def test_set_refuses_an_infinite_value(tmp_path):
     d = _spec_dir(tmp_path, {"tasks/t.yaml": TASK, **_baseline("{}")})
     with pytest.raises(UserError, match=r"privacy\.clip_bound: Input should be a finite number"):

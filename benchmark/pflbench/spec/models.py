@@ -459,6 +459,11 @@ class Budget(Strict):
                 raise ValueError(f"a DP budget needs {', '.join(missing)}")
             if self.unit == "user" and self.cohort > self.population:
                 raise ValueError("cohort must not exceed population")
+            if self.unit == "user" and not self.delta < 1 / self.population:
+                # At δ >= 1/K, releasing one random user's data verbatim is (0, δ)-DP: void.
+                raise ValueError(
+                    f"delta {self.delta:g} must be below 1/population = {1 / self.population:.3g}"
+                )
         elif any(getattr(self, f) is not None for f in fields):
             raise ValueError("a budget with dp: false takes no epsilon/delta/population/...")
         if (self.matches is None) != (self.matched_parameters is None):
