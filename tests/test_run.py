@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from opacus.accountants import RDPAccountant
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -26,7 +27,7 @@ from pflbench.fl.distributed import DistContext
 from pflbench.fl.simulator import Simulator
 from pflbench.model.transformer import build_model
 from pflbench.numerics import NUMERIC_PACKAGES, NUMERICS_VERSION
-from pflbench.privacy.run import check_run_privacy
+from pflbench.privacy.run import check_run_privacy, epsilon_so_far, privacy_claim
 from pflbench.results.schema import compute_record_id, load_record
 from pflbench.runner import RunOptions, run
 from pflbench.spec.models import Recipe
@@ -120,8 +121,28 @@ def test_each_baseline_writes_a_valid_record(env, tmp_path, baseline):
     epsilons = [x["epsilon_rdp"] for x in lines if "loss" in x]
     if budget != "none":
         assert 0 < epsilons[0] < epsilons[1] < epsilons[2]
+        # the running ε is the claim's RDP ε at the simulated scale, reached at the last step
+        assert epsilons[-1] == pytest.approx(record.privacy.simulated.epsilon["rdp"].epsilon)
     else:
         assert epsilons == [None, None, None]
+
+
+@pytest.mark.parametrize("population, sigma_dp", [(100, 0.1), (1000, 0.05)])
+def test_the_running_epsilon_is_rdp_at_the_simulated_scale_after_each_step(population, sigma_dp):
+    """metrics.jsonl's ε after t steps: opacus' RDP accountant at z = σ_DP·S, q = S/K, t steps
+    (ε of moderate size, where a wrong K, S or t shows), and at the last step the record's."""
+    config = resolve(
+        load_registry(), "synth-cv-en-ls-seed", "perlayer-dim", "eps7.2-synth-m-cohort-matched"
+    )
+    cohort, steps = config.recipe.federated.cohort_size, config.recipe.federated.central_steps
+    for t in (1, 30, steps):
+        theirs = RDPAccountant()
+        theirs.history = [(sigma_dp * cohort, cohort / population, t)]
+        expected = theirs.get_epsilon(delta=config.budget.delta)
+        assert epsilon_so_far(config, sigma_dp, population, t) == pytest.approx(expected, rel=1e-9)
+    claim = privacy_claim(config, sigma_dp, population, ["rdp"])
+    assert claim["simulated"]["epsilon"]["rdp"]["epsilon"] == pytest.approx(expected, rel=1e-9)
+    assert epsilon_so_far(config, 0.0, population, steps) is None
 
 
 def test_a_dp_budget_refuses_fixed_size_cohorts_before_training(env, tmp_path):
