@@ -37,6 +37,7 @@ from pflbench.privacy.example import (
     example_epsilon,
     example_noise_multiplier,
     example_statement,
+    expected_batch,
     sampling_rate,
 )
 from pflbench.privacy.example_optimizer import ExactClipDPOptimizer
@@ -324,6 +325,16 @@ def test_an_example_with_a_nan_or_inf_gradient_contributes_zeros_and_is_counted(
     assert torch.equal(params[1].summed_grad, torch.zeros(2, 2))
     expected = torch.tensor([1.0, 2.0, 2.0]) * optimizer.last_clip.factors[0, 0].float()
     assert torch.equal(params[0].summed_grad, expected)
+
+
+def test_the_expected_batch_holds_batch_seconds_of_audio_on_average():
+    """B = round(batch_seconds / mean utterance length), at least 1 and at most N (by hand)."""
+    seconds = [1.0, 2.0, 3.0, 4.0]  # mean 2.5 s
+    assert expected_batch(seconds, 5.0) == 2
+    assert expected_batch(seconds, 8.0) == 3  # 3.2 examples
+    assert expected_batch(seconds, 0.5) == 1 and expected_batch(seconds, 1000.0) == 4
+    with pytest.raises(UserError, match="needs training examples"):
+        expected_batch([], 5.0)
 
 
 def test_each_step_draws_a_poisson_batch_at_rate_b_over_n(utterances, monkeypatch):
