@@ -3,6 +3,7 @@ configurations accounted for, the records what the map gives, and a broken map r
 
 from __future__ import annotations
 
+import json
 import shutil
 from collections import Counter
 from pathlib import Path
@@ -21,6 +22,7 @@ from pflbench.results.paper import (
     load_paper_map,
     sync_paper_records,
 )
+from pflbench.results.schema import compute_record_id
 from pflbench.spec.registry import load_registry
 
 REPO = Path(__file__).parents[1]
@@ -214,3 +216,23 @@ def test_cli_writes_and_checks_the_records(tmp_path):
     (root / "paper" / "mine.json").write_text(victim.read_text())
     result = runner.invoke(app, ["results", "paper", "--check", "--results", str(root)])
     assert isinstance(result.exception, UserError) and "mine.json" in str(result.exception)
+
+
+def test_validate_refuses_a_reference_row_edited_away_from_the_map(tmp_path):
+    """`results validate` (CI) holds results/paper/ to tables.yaml: a reference row whose WER was
+    edited, with its record id recomputed, is refused by name."""
+    root = tmp_path / "results"
+    shutil.copytree(REPO / "results" / "paper", root / "paper")
+    validate = ["results", "validate", "--results", str(root)]  # no sweeps/ beside it
+    assert CliRunner().invoke(app, validate).exit_code == 0
+    victim = root / "paper" / "002-t1-global-none.json"
+    record = json.loads(victim.read_text())
+    test_set = next(iter(record["metrics"]["final"]))
+    record["metrics"]["final"][test_set]["wer"] -= 0.02
+    record["record_id"] = compute_record_id(record)
+    victim.write_text(json.dumps(record))
+    refused = CliRunner().invoke(app, validate)
+    assert isinstance(refused.exception, UserError), refused.output
+    assert f"{victim}: not the reference record results/paper/tables.yaml gives" in str(
+        refused.exception
+    )

@@ -496,13 +496,23 @@ def register(app: typer.Typer) -> None:
         task versions); every ε claim re-accounted and the privacy statement, field for field,
         the one pflbench writes; no config filed twice; every declared matrix (sweeps/) filed
         whole, each row with exactly its declared seeds, and one still being filed
-        (sweeps/to-run/) with no run beside it. `results rescore` re-scores the WERs."""
+        (sweeps/to-run/) with no run beside it; the papers' reference rows are what
+        results/paper/tables.yaml gives. `results rescore` re-scores the WERs."""
         from pflbench.results.leaderboard import load_result_files
+        from pflbench.results.paper import PAPER_DIR, sync_paper_records
         from pflbench.results.submit import validate_record
 
         registry = _registry(specs, plugins)
         found = load_result_files(results)
         _check_declared([record for _, record, _ in found], results, sweeps, registry)
+        if (results / PAPER_DIR).is_dir():  # the reference rows are what tables.yaml gives
+            sync = sync_paper_records(results, registry, write=False)
+            wrong = sync.differing + sync.extra
+            if wrong:
+                raise UserError(
+                    f"{wrong[0]}: not the reference record results/paper/tables.yaml gives "
+                    f"({len(wrong)} such); `pflbench results paper` rewrites them from the map"
+                )
         stale = 0
         for path, record, raw in found:
             if record.kind == "run":
