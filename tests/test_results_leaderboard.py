@@ -25,7 +25,7 @@ from pflbench.results.leaderboard import (
     render_leaderboard,
 )
 from pflbench.results.schema import compute_record_id, schema_json
-from pflbench.results.sweep import load_sweep_file
+from pflbench.results.sweep import load_sweep_file, read_stale_list, stale_entries
 from pflbench.results.verify import reevaluated_ids
 from pflbench.spec.models import Budget
 from pflbench.spec.registry import load_registry
@@ -368,6 +368,38 @@ def test_a_matrix_still_being_filed_is_announced_under_its_task(tmp_path):
     assert "being filed" not in board.read_text()
 
 
+def test_stale_records_are_pinned_by_id(tmp_path):
+    """Records of an older task version or numerics are outside the sweep manifest and never
+    re-run: the leaderboard holds them to sweeps/stale-records.txt, so one edited (its id
+    recomputed), added or deleted by hand is refused until re-pinned in the open."""
+    root, sweeps = tmp_path / "results", tmp_path / "sweeps"
+    shutil.copytree(GOLDEN / "results", root)
+    sweeps.mkdir()
+    args = ["--results", str(root), "--specs", str(FX_SPECS), "--sweeps", str(sweeps)]
+    board = ["leaderboard", "--output", str(tmp_path / "lb.md"), *args]
+    stale = stale_entries(load_results(root), load_registry([FX_SPECS]))
+    assert stale  # the golden results hold runs of older numerics
+    refused = str(CliRunner().invoke(app, board).exception)
+    assert f"{stale[0]}: stale, not pinned" in refused, refused
+    pinned = CliRunner().invoke(app, ["results", "pin-stale", *args])
+    assert f"{len(stale)} stale records pinned ({len(stale)} added, 0 removed)" in pinned.output
+    assert read_stale_list(sweeps) == stale
+    assert CliRunner().invoke(app, board).exit_code == 0
+    # A stale record edited (the cohort in its config), its hashes recomputed: another id.
+    path = root / f"{stale[0]}.json"
+    record = json.loads(path.read_text())
+    record["config"]["recipe"]["federated"]["cohort_size"] *= 4
+    record["config_hash"] = config_json_hash(record["config"])
+    record["record_id"] = compute_record_id(record)
+    path.unlink()
+    edited = f"{stale[0].rsplit('/', 1)[0]}/{record['record_id']}"
+    (root / f"{edited}.json").write_text(json.dumps(record))
+    refused = str(CliRunner().invoke(app, board).exception)
+    assert f"{edited}: stale, not pinned" in refused and f"{stale[0]}: pinned, not filed" in refused
+    refused_too = CliRunner().invoke(app, ["results", "validate", *args]).exception
+    assert isinstance(refused_too, UserError) and str(refused_too) == refused
+
+
 def test_split_sweeps_moves_what_is_filed_into_the_manifest(tmp_path):
     """`pflbench results split-sweeps`: the filed (configuration, seed) pairs of sweeps/to-run/
     move into the manifest of the same name, which the leaderboard then holds the results to;
@@ -405,6 +437,8 @@ def test_split_sweeps_moves_what_is_filed_into_the_manifest(tmp_path):
     older["task"]["version"] -= 1  # another version's run does not file this one's seed 1
     older_file = _file_run(root, older)
     older_file.with_suffix("").mkdir()  # where submit keeps a filed run's hypotheses
+    pinned = CliRunner().invoke(app, ["results", "pin-stale", *args])
+    assert "1 stale records pinned (1 added, 0 removed)" in pinned.output, pinned.output
     assert "nothing of it is filed yet" not in split()
     retire = ["results", "retire-replaced", "--results", str(root), "--specs", str(FX_SPECS)]
     # The older version's seed 1 stands in: its row's seed 1 is not filed at this version yet.
@@ -429,6 +463,7 @@ def test_split_sweeps_moves_what_is_filed_into_the_manifest(tmp_path):
     assert older_file.exists()
     assert "1 replaced runs removed" in CliRunner().invoke(app, retire).output
     assert not older_file.exists() and not older_file.with_suffix("").exists()
+    assert read_stale_list(sweeps) == []  # it left the pin list with its record
     assert len(list(root.rglob("*.json"))) == 4
     assert "every declared run is filed; removed" in moved and not to_run.parent.exists()
     manifest = load_sweep_file(sweeps / "fx.yaml")

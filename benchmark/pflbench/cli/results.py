@@ -52,9 +52,15 @@ def _sweeps_folder(results: Path, sweeps: Path | None) -> Path:
 
 def _check_declared(records, results: Path, sweeps: Path | None, registry) -> None:
     """The declared matrices are filed whole (results.sweep.check_declared_seeds): those of
-    --sweeps, or of sweeps/ beside the results folder where there is one; and a matrix still
-    being filed (its to-run/) agrees with what is filed (results.sweep.check_to_run)."""
-    from pflbench.results.sweep import check_declared_seeds, check_to_run, load_sweep_folder
+    --sweeps, or of sweeps/ beside the results folder where there is one; a matrix still
+    being filed (its to-run/) agrees with what is filed (results.sweep.check_to_run); and the
+    stale records are the ones the folder pins (results.sweep.check_stale_pinned)."""
+    from pflbench.results.sweep import (
+        check_declared_seeds,
+        check_stale_pinned,
+        check_to_run,
+        load_sweep_folder,
+    )
 
     folder = _sweeps_folder(results, sweeps)
     if sweeps is not None or folder.is_dir():
@@ -62,6 +68,7 @@ def _check_declared(records, results: Path, sweeps: Path | None, registry) -> No
         if (folder / "to-run").is_dir():  # first: its refusal says what to run to fix it
             check_to_run(records, manifest, load_sweep_folder(folder / "to-run"), registry)
         check_declared_seeds(records, manifest, registry)
+        check_stale_pinned(records, folder, registry)
 
 
 MANIFEST_HEADER = """The filed part of this task's declared matrix: `pflbench leaderboard` and
@@ -232,6 +239,11 @@ def register(app: typer.Typer) -> None:
         else:
             if filed and len(run_dirs) > 1:
                 console.print(f"{len(filed)} of {len(run_dirs)} runs were filed already")
+            if any(a.stale for a in accepted):
+                console.print(
+                    "stale records filed: review them, then `pflbench results pin-stale` pins"
+                    " them in sweeps/stale-records.txt (the leaderboard refuses them until then)"
+                )
             if accepted:
                 console.print(
                     "run `pflbench plot` and `pflbench leaderboard` to update leaderboard.md"
@@ -575,21 +587,59 @@ def register(app: typer.Typer) -> None:
         results: Path = ResultsOption,
         specs: list[Path] = SpecsOption,
         plugins: list[str] = PluginOption,
+        sweeps: Path = SweepsOption,
         dry_run: bool = typer.Option(False, "--dry-run", help="List them; remove nothing."),
     ) -> None:
         """Remove filed runs of an older task version whose rows are filed again at the current
         version with all their seeds (and today's numerics): a new version's matrix, filed over
-        sessions, replaces the old one row by row (docs/RESULTS.md). Git history keeps them."""
+        sessions, replaces the old one row by row (docs/RESULTS.md). Git history keeps them, and
+        they leave sweeps/stale-records.txt."""
         from pflbench.results.leaderboard import filed_dir, load_result_files
-        from pflbench.results.sweep import replaced_records
+        from pflbench.results.sweep import (
+            STALE_LIST,
+            read_stale_list,
+            replaced_records,
+            write_stale_list,
+        )
 
-        paths = replaced_records(load_result_files(results), _registry(specs, plugins))
+        found = load_result_files(results)
+        paths = replaced_records(found, _registry(specs, plugins))
         for path in paths:
             if not dry_run:
                 path.unlink()
                 shutil.rmtree(filed_dir(path), ignore_errors=True)
             console.print(f"{'would remove' if dry_run else 'removed'} {path}", highlight=False)
+        folder = _sweeps_folder(results, sweeps)
+        if paths and not dry_run and (folder / STALE_LIST).is_file():
+            # The removed records leave the pin list; nothing else in it changes.
+            gone = {f"{r.task.name}/{r.budget}/{r.record_id}" for p, r, _ in found if p in paths}
+            write_stale_list(folder, [e for e in read_stale_list(folder) if e not in gone])
         console.print(f"{len(paths)} replaced runs {'found' if dry_run else 'removed'}")
+
+    @group.command("pin-stale")
+    def pin_stale(
+        results: Path = ResultsOption,
+        specs: list[Path] = SpecsOption,
+        plugins: list[str] = PluginOption,
+        sweeps: Path = SweepsOption,
+    ) -> None:
+        """Write sweeps/stale-records.txt: every filed run of an older task version or numerics,
+        by task/budget/record id. `leaderboard` and `results validate` hold the stale records to
+        it, since no other check covers them: run it after a task version bump or `submit
+        --stale`, and review its diff."""
+        from pflbench.results.leaderboard import load_results
+        from pflbench.results.sweep import read_stale_list, stale_entries, write_stale_list
+
+        folder = _sweeps_folder(results, sweeps)
+        folder.mkdir(parents=True, exist_ok=True)
+        before = set(read_stale_list(folder))
+        entries = stale_entries(load_results(results), _registry(specs, plugins))
+        path = write_stale_list(folder, entries)
+        added, removed = len(set(entries) - before), len(before - set(entries))
+        console.print(
+            f"{path}: {len(entries)} stale records pinned ({added} added, {removed} removed)",
+            highlight=False,
+        )
 
     @group.command("rescore")
     def rescore(

@@ -416,3 +416,60 @@ def plot_sweep(
     for run in finished:
         plot_run(run.run_dir, plot_dir / "runs", report)
     return report
+
+
+# Stale records (an older task version, or older numerics) are outside every other check: their
+# configs no longer resolve, no sweep file declares them, and `reproduce` does not re-run them.
+# So they are frozen: this list names each by path and id (a hash of its content).
+STALE_LIST = "stale-records.txt"
+STALE_HEADER = """\
+# Filed runs of an older task version or older numerics (the leaderboard's stale rows). No check
+# resolves their configs again or re-runs them, so each is pinned here by task/budget/record id,
+# the id being a hash of its content: `pflbench leaderboard` and `results validate` refuse a stale
+# record not listed here and a listed one that is gone. Editing, adding or deleting one is a
+# change to this file, in the open. Written by `pflbench results pin-stale`.
+"""
+
+
+def stale_entries(records: list[ResultRecord], registry: Registry) -> list[str]:
+    """'task/budget/record_id' of each filed run whose row is stale (leaderboard.stale_because)."""
+    from pflbench.results.leaderboard import stale_because
+
+    def version(r: ResultRecord) -> int | None:
+        task = registry.tasks.get(r.task.name)
+        return task.spec.version if task is not None else None
+
+    return sorted(
+        f"{r.task.name}/{r.budget}/{r.record_id}"
+        for r in records
+        if r.kind == "run" and stale_because(r, version(r)) is not None
+    )
+
+
+def read_stale_list(folder: Path) -> list[str]:
+    path = folder / STALE_LIST
+    if not path.is_file():
+        return []
+    lines = (line.strip() for line in path.read_text(encoding="utf-8").splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
+def write_stale_list(folder: Path, entries: list[str]) -> Path:
+    path = folder / STALE_LIST
+    path.write_text(STALE_HEADER + "".join(f"{e}\n" for e in sorted(entries)), encoding="utf-8")
+    return path
+
+
+def check_stale_pinned(records: list[ResultRecord], folder: Path, registry: Registry) -> None:
+    """Every stale record is listed in the folder's STALE_LIST, and every listed one is filed."""
+    found, listed = set(stale_entries(records, registry)), set(read_stale_list(folder))
+    problems = [f"{e}: stale, not pinned" for e in sorted(found - listed)]
+    problems += [f"{e}: pinned, not filed" for e in sorted(listed - found)]
+    if problems:
+        raise UserError(
+            f"the stale records are not the ones {folder / STALE_LIST} pins (a record of an older"
+            " task version or numerics edited, added or deleted by hand?); restore them, or"
+            " re-pin after review with `pflbench results pin-stale`:\n  "
+            + "\n  ".join(problems[:20])
+            + (f"\n  ... {len(problems) - 20} more" if len(problems) > 20 else "")
+        )
