@@ -25,7 +25,12 @@ from pflbench.results.leaderboard import (
     render_leaderboard,
 )
 from pflbench.results.schema import compute_record_id, schema_json
-from pflbench.results.sweep import load_sweep_file, read_stale_list, stale_entries
+from pflbench.results.sweep import (
+    load_sweep_file,
+    read_stale_list,
+    stale_entries,
+    write_stale_list,
+)
 from pflbench.results.verify import reevaluated_ids
 from pflbench.spec.models import Budget
 from pflbench.spec.registry import load_registry
@@ -347,7 +352,8 @@ def test_a_matrix_still_being_filed_is_announced_under_its_task(tmp_path):
     _file_run(root, current)
     older = resolve(registry, "fx-task", "fedavg", "fx-nodp", 1, []).model_dump(mode="json")
     older["task"]["version"] -= 1  # a stale row: not one of this version's filed runs
-    _file_run(root, older)
+    stale = _file_run(root, older)
+    write_stale_list(to_run.parent, [stale.relative_to(root).with_suffix("").as_posix()])
     groups = [
         {"baselines": ["fedavg"], "budgets": ["fx-nodp"], "seeds": [1, 2]},
         {"baselines": ["fedavg"], "budgets": ["fx-nodp"], "set": ["federated.cohort_size=4"]},
@@ -382,7 +388,8 @@ def test_stale_records_are_pinned_by_id(tmp_path):
     refused = str(CliRunner().invoke(app, board).exception)
     assert f"{stale[0]}: stale, not pinned" in refused, refused
     pinned = CliRunner().invoke(app, ["results", "pin-stale", *args])
-    assert f"{len(stale)} stale records pinned ({len(stale)} added, 0 removed)" in pinned.output
+    said = " ".join(pinned.output.split())
+    assert f"{len(stale)} stale records pinned ({len(stale)} added, 0 removed)" in said
     assert read_stale_list(sweeps) == stale
     assert CliRunner().invoke(app, board).exit_code == 0
     # A stale record edited (the cohort in its config), its hashes recomputed: another id.
@@ -438,7 +445,7 @@ def test_split_sweeps_moves_what_is_filed_into_the_manifest(tmp_path):
     older_file = _file_run(root, older)
     older_file.with_suffix("").mkdir()  # where submit keeps a filed run's hypotheses
     pinned = CliRunner().invoke(app, ["results", "pin-stale", *args])
-    assert "1 stale records pinned (1 added, 0 removed)" in pinned.output, pinned.output
+    assert "1 stale records pinned (1 added, 0 removed)" in " ".join(pinned.output.split())
     assert "nothing of it is filed yet" not in split()
     retire = ["results", "retire-replaced", "--results", str(root), "--specs", str(FX_SPECS)]
     # The older version's seed 1 stands in: its row's seed 1 is not filed at this version yet.
