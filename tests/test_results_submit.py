@@ -617,10 +617,14 @@ def test_a_run_from_before_hypotheses_were_stored_is_refused_naming_why(tmp_path
     assert not (tmp_path / "results").exists()
 
 
-def test_a_record_stating_older_numerics_is_refused_unless_stale(tmp_path, registry, dp_record):
-    # A run of code whose numbers have changed since (pflbench.numerics) is stale work.
+@pytest.mark.parametrize("stated", [1, None])
+def test_a_record_stating_older_numerics_is_refused_unless_stale(
+    tmp_path, registry, dp_record, stated
+):
+    """A run of code whose numbers have changed since (pflbench.numerics) is stale work; one
+    stating none is version 1's, as the leaderboard, the sweep manifest and reproduce read it."""
     record = copy.deepcopy(dp_record)
-    record["software"]["numerics_version"] = 1
+    record["software"]["numerics_version"] = stated
     record = finalize(record)
     refused(tmp_path, registry, record, f"numerics version 1, this pflbench as {NUMERICS_VERSION}")
 

@@ -271,10 +271,9 @@ def check_task_version(
             f"and numerics version {numerics}; this pflbench has version {current} and numerics "
             f"{NUMERICS_VERSION}: a newer one cannot be checked here (update pflbench)"
         )
-    # Records from before runs stated their numerics are filed as they were (the leaderboard
-    # marks them stale); one that states an older version is a re-submission of stale work.
-    stated = record.software.numerics_version is not None
-    if current == record.task.version and (numerics == NUMERICS_VERSION or not stated):
+    # A record that states no numerics is version 1's, as everywhere (the leaderboard's stale
+    # mark, the sweep manifest, reproduce): stale work, filed only with stale_ok.
+    if current == record.task.version and numerics == NUMERICS_VERSION:
         return False
     if not stale_ok:
         if current != record.task.version:
