@@ -387,6 +387,23 @@ def test_an_audited_run_without_noise_records_a_very_large_epsilon(
         tampered["audit"][key] = value
         with pytest.raises(UserError, match=f"privacy.audit.{key} is"):
             check_audit_claim(tampered, RUN_CANARIES, "record")
+    # The summary and the lower bound follow from the record's own per-canary cosines.
+    assert len(raw["privacy"]["audit"]["canary_cosines"]["inserted"]) == RUN_CANARIES
+    for key, change in [("epsilon_lower_bound", 0.0), ("cosines", "inserted_mean")]:
+        tampered = copy.deepcopy(raw["privacy"])
+        if key == "cosines":
+            tampered["audit"]["cosines"][change] += 0.01
+        else:
+            tampered["audit"][key] = change
+        with pytest.raises(UserError, match=rf"privacy.audit.{key}\S* is .* canary_cosines give"):
+            check_audit_claim(tampered, RUN_CANARIES, "record")
+    tampered = copy.deepcopy(raw["privacy"])
+    tampered["audit"]["canary_cosines"]["held_out"].pop()
+    with pytest.raises(
+        UserError,
+        match=f"canary_cosines holds {RUN_CANARIES} inserted and {RUN_CANARIES - 1} held-out",
+    ):
+        check_audit_claim(tampered, RUN_CANARIES, "record")
     raw["privacy"]["audit"] = None
     with pytest.raises(UserError, match="privacy.audit is missing"):
         check_audit_claim(raw["privacy"], RUN_CANARIES, "record")

@@ -167,6 +167,7 @@ class CanaryAudit:
             "canary_participations": int(counts.sum()),
             "dimension": sum(t.numel() for t in self.start.values()),
             "cosines": cosine_summary(inserted, held_out),
+            "canary_cosines": {"inserted": inserted.tolist(), "held_out": held_out.tolist()},
             "delta": delta,
             "mu": mu,
             "epsilon_estimate": gdp_epsilon(mu, delta),
@@ -207,6 +208,9 @@ def check_audit_claim(privacy: dict | None, audit_canaries: int, where: str) -> 
                 f"{where}: privacy.audit.{key} is {audit.get(key)!r}, expected {value!r} (the"
                 " config's privacy.audit_canaries and pflbench's audit)"
             )
+    values = audit.get("canary_cosines")  # absent in older records: their summary is the claim
+    if values is not None:
+        check_canary_cosines(audit, values, audit_canaries, where)
     simulated = privacy.get("simulated") or {}
     mu = mu_of(audit["cosines"])
     expected = {
@@ -227,6 +231,28 @@ def check_audit_claim(privacy: dict | None, audit_canaries: int, where: str) -> 
         )
         if not same:
             raise UserError(f"{where}: privacy.audit.{key} is {claimed!r}, expected {value!r}")
+
+
+def check_canary_cosines(audit: dict, values: dict, canaries: int, where: str) -> None:
+    """The summary and the lower bound a record shows are those of its canaries' own cosines."""
+    inserted, held_out = np.asarray(values["inserted"]), np.asarray(values["held_out"])
+    if len(inserted) != canaries or len(held_out) != canaries:
+        raise UserError(
+            f"{where}: privacy.audit.canary_cosines holds {len(inserted)} inserted and"
+            f" {len(held_out)} held-out cosines; the config's audit has {canaries} of each"
+        )
+    derived = {
+        **{f"cosines.{k}": v for k, v in cosine_summary(inserted, held_out).items()},
+        "epsilon_lower_bound": epsilon_lower_bound(inserted, held_out, audit["delta"], CONFIDENCE),
+    }
+    claimed = {f"cosines.{k}": v for k, v in audit["cosines"].items()}
+    claimed["epsilon_lower_bound"] = audit["epsilon_lower_bound"]
+    for key, value in derived.items():
+        if not math.isclose(claimed[key], value, rel_tol=1e-9, abs_tol=1e-12):
+            raise UserError(
+                f"{where}: privacy.audit.{key} is {claimed[key]!r}, but the record's"
+                f" canary_cosines give {value!r}"
+            )
 
 
 def canary_cosine(delta: dict[str, Tensor], canary: dict[str, Tensor]) -> float:

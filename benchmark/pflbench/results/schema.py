@@ -165,6 +165,11 @@ class AuditCosines(Strict):
     held_out_std: float
 
 
+class CanaryCosines(Strict):
+    inserted: list[float]
+    held_out: list[float]
+
+
 class PrivacyAudit(Strict):
     """What pflbench.privacy.audit.CanaryAudit.finish returns: the empirical ε of an audit run,
     next to the accountants' ε at the simulated scale (the only one an audit can check)."""
@@ -176,6 +181,11 @@ class PrivacyAudit(Strict):
     canary_participations: int = Field(ge=0)
     dimension: int = Field(ge=1, description="Trained parameters the canaries span.")
     cosines: AuditCosines
+    canary_cosines: CanaryCosines | None = Field(
+        None,
+        description="Each canary's cosine: what `cosines`, μ and the lower bound are computed"
+        " from, so submit and validate recompute them. Absent in older records.",
+    )
     delta: float = Field(gt=0, lt=1)
     mu: float = Field(ge=0, description="μ-GDP estimate; inf when the cosines never overlap.")
     epsilon_estimate: float = Field(ge=0)
