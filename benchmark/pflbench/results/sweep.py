@@ -29,7 +29,7 @@ from pflbench.results.schema import ResultRecord, load_record, record_numerics_v
 from pflbench.results.submit import what_ran
 from pflbench.spec.names import safe_name
 from pflbench.spec.registry import Registry
-from pflbench.spec.resolve import canonical_json, resolve
+from pflbench.spec.resolve import canonical_json, resolve, set_values
 
 
 @dataclass(frozen=True)
@@ -154,7 +154,7 @@ def replaced_records(
     (`pflbench results retire-replaced`). `found`: load_result_files's."""
 
     def row(r: ResultRecord) -> tuple:
-        return r.task.name, r.baseline, r.budget, canonical_json(r.config.get("overrides") or {})
+        return r.task.name, r.baseline, r.budget, canonical_json(set_values(r.config))
 
     def version(r: ResultRecord) -> int | None:
         task = registry.tasks.get(r.task.name)
