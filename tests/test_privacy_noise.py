@@ -2,9 +2,12 @@
 aggregate that is bitwise independent of how users are grouped over workers."""
 
 import math
+from fractions import Fraction
 
 import pytest
 import torch
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from pflbench.privacy.aggregate import ExactSum
 from pflbench.privacy.clipping import clip_update
@@ -248,12 +251,45 @@ def test_exact_sum_partial_fp64_sums_stay_exact_at_their_largest():
 
 def test_exact_sum_keeps_fp64_updates_exact():
     """On a CPU the scratch is fp64 whatever the terms' dtype (fp32 terms are widened by a copy),
-    so an fp64 update is exact in a sum made like fp32 tensors too."""
-    values = torch.tensor([1 / 3, -(2**-60), 0.5 + 2**-40], dtype=torch.float64)
+    so an fp64 update is exact in a sum made like fp32 tensors too: each element toward zero on
+    the grid (an fp64 term's rounding must not grow it)."""
+    off_grid = [0.75 * 2**-60, -1.5 * 2**-60]  # at max_abs 1 and 4 terms, the step is 2^-60
+    values = torch.tensor([1 / 3, -(2**-60), 0.5 + 2**-40, *off_grid], dtype=torch.float64)
     for like in (values, values.float()):
         total = ExactSum({"w": like}, max_abs=1.0, max_terms=4)
         total.add({"w": values})
-        assert torch.equal(total.buffers()[0], _quantized_in_fp64(values, total.scale))
+        expected = torch.trunc(values * total.scale).to(torch.int64)
+        assert torch.equal(total.buffers()[0], expected)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    clip=st.floats(1e-6, 1e3),
+    on_grid=st.lists(st.floats(-0.5, 0.5), max_size=7),
+    above_half=st.floats(0.0, 0.45),
+)
+def test_an_fp64_term_clipping_leaves_alone_stays_within_c_once_quantized(
+    clip, on_grid, above_half
+):
+    """The released sum's sensitivity is the quantized term's norm. An fp64 update that clipping
+    leaves alone, just under C: every element on the run's grid but the last, which lies more
+    than half a step above a grid point whose next one would take the norm past C (rounded half
+    to even it would). In the sum it stays within C, exactly."""
+    total = ExactSum({"w": torch.zeros(len(on_grid) + 1, dtype=torch.float64)}, max_abs=clip)
+    scale = total.scale  # a power of two: x/scale is exact
+    head = [math.floor(f * clip * scale) / scale for f in on_grid]
+    rest = clip**2 - math.fsum(h * h for h in head)
+    assume(rest > (clip / 4) ** 2)
+    last_steps = math.sqrt(rest) * scale  # the last element that would make the norm C
+    floor = math.floor(last_steps)
+    assume(last_steps - floor > 0.5 + above_half + 2**-5)  # far enough under C to be left alone
+    last = (floor + 0.5 + above_half + 2**-6) / scale
+    values = torch.tensor([*head, last], dtype=torch.float64)
+    result = clip_update({"w": values}, "global", clip)
+    assert not result.changed  # just under C: clipping leaves it alone
+    total.add(result.update)
+    summed = total.result(torch.float64)["w"]
+    assert sum(Fraction(float(v)) ** 2 for v in summed) <= Fraction(clip) ** 2
 
 
 def test_scratch_is_narrow_only_on_a_gpu_for_narrow_terms_and_an_fp32_scale():

@@ -107,9 +107,15 @@ class ExactSum:
                 )
         if self._partial_terms == self.terms_per_partial:
             self._flush()
+        # The released sum's sensitivity is the quantized term's norm, so rounding must not lift
+        # a clipped term past C. fp32/bf16/fp16 terms round half to even: only their elements
+        # below ~C·2^-18 leave the grid, a growth within clipping's tolerance (tests). An fp64
+        # term has no such slack (its elements just under C round up), so it rounds toward zero.
+        wide = any(t.dtype == torch.float64 for t in tensors)
+        to_integer = Tensor.trunc_ if wide else Tensor.round_
         span = _one_span(tensors, self._partial)
         if self._block is None:
-            self._add_whole(tensors, span)
+            self._add_whole(tensors, span, to_integer)
         else:  # block by block: a span's, or each tensor's (no gather)
             pieces = [span] if span is not None else [t.reshape(-1) for t in tensors]
             start = 0
@@ -118,29 +124,30 @@ class ExactSum:
                     values = piece[offset : offset + self._block]
                     end = start + values.numel()
                     scratch = self._scaled[: values.numel()]
-                    self._quantize(values, scratch)
+                    self._quantize(values, scratch, to_integer)
                     self._partial[start:end].add_(scratch)  # integers within 2^53: exact
                     start = end
         self._partial_terms += 1
         self.terms += 1
 
-    def _add_whole(self, tensors: list[Tensor], span: Tensor | None) -> None:
+    def _add_whole(self, tensors: list[Tensor], span: Tensor | None, to_integer) -> None:
         """One pass each over the whole term, into the whole-term scratch."""
         if span is None:  # separate tensors: gathered (and widened) first
             torch.cat([t.reshape(-1) for t in tensors], out=self._scaled)
-            self._scaled.mul_(self.scale).round_()
+            to_integer(self._scaled.mul_(self.scale))
         else:
-            self._quantize(span, self._scaled)
+            self._quantize(span, self._scaled, to_integer)
         self._partial.add_(self._scaled)  # integers, the sum within 2^53: exact
 
-    def _quantize(self, values: Tensor, out: Tensor) -> None:
-        """out = values·scale (exact: a power of two), rounded half to even."""
+    def _quantize(self, values: Tensor, out: Tensor, to_integer) -> None:
+        """out = values·scale (exact: a power of two), made an integer by `to_integer` (round
+        half to even, or toward zero: `add`)."""
         if values.dtype == out.dtype:  # one pass fewer: no copy
             torch.mul(values, self.scale, out=out)
         else:  # widened by a vectorized copy (scratch_dtype)
             out.copy_(values)
             out.mul_(self.scale)
-        out.round_()
+        to_integer(out)
 
     def _flush(self) -> None:
         """Move the fp64 partial sum into the int64 sum (integral values: the conversion is
