@@ -109,8 +109,10 @@ class ExactSum:
             self._flush()
         # The released sum's sensitivity is the quantized term's norm, so rounding must not lift
         # a clipped term past C. fp32/bf16/fp16 terms round half to even: only their elements
-        # below ~C·2^-18 leave the grid, a growth within clipping's tolerance (tests). An fp64
-        # term has no such slack (its elements just under C round up), so it rounds toward zero.
+        # below ~C·2^-18 are off the grid (whose step is ~C·2^-42), so rounding grows the norm
+        # by at most ~d·2^-61 relative, inside clipping's measurement tolerance of d·2^-53. An
+        # fp64 term has no such slack (an element just under C rounds up past it), so it rounds
+        # toward zero.
         wide = any(t.dtype == torch.float64 for t in tensors)
         to_integer = Tensor.trunc_ if wide else Tensor.round_
         span = _one_span(tensors, self._partial)
