@@ -398,6 +398,11 @@ def test_an_audited_run_without_noise_records_a_very_large_epsilon(
         with pytest.raises(UserError, match=rf"privacy.audit.{key}\S* is .* canary_cosines give"):
             check_audit_claim(tampered, RUN_CANARIES, "record")
     tampered = copy.deepcopy(raw["privacy"])
+    del tampered["audit"]["canary_cosines"]  # then the lower bound would go unchecked
+    with pytest.raises(UserError, match="privacy.audit.canary_cosines is missing"):
+        check_audit_claim(tampered, RUN_CANARIES, "record")
+    check_audit_claim(tampered, RUN_CANARIES, "record", per_canary=False)  # a stale record's
+    tampered = copy.deepcopy(raw["privacy"])
     tampered["audit"]["canary_cosines"]["held_out"].pop()
     with pytest.raises(
         UserError,

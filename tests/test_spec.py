@@ -23,7 +23,14 @@ from pflbench.cli import app
 from pflbench.errors import UserError
 from pflbench.spec.models import ADDED_LATER, PrivacyRecipe, Recipe, Strict
 from pflbench.spec.registry import load_registry
-from pflbench.spec.resolve import config_hash, default_budget, resolve, spec_config_hashes
+from pflbench.spec.resolve import (
+    config_hash,
+    default_budget,
+    ran_hash,
+    resolve,
+    set_values,
+    spec_config_hashes,
+)
 
 FIXTURE_SPECS = Path(__file__).parent / "fixtures" / "specs"
 PAPER_TASKS = {
@@ -412,6 +419,29 @@ def test_cli_help_names_repeatable_options_by_what_they_take():
         assert not re.search(r"--\S+ <list\[", shown), (path, shown)
         seen += "--set KEY.PATH=VALUE" in shown
     assert seen >= 3  # run, sweep, bench model
+
+
+@pytest.mark.parametrize(
+    "sets, named",
+    [
+        (["federated.server.lr=1e-3"], {"federated.server.lr": "0.001"}),
+        (["federated.server.lr=.001"], {"federated.server.lr": "0.001"}),
+        (["federated.server.lr=500"], {"federated.server.lr": "500"}),
+        (["federated.server={lr: 0.5, beta1: 0.8}"],
+         {"federated.server.lr": "0.5", "federated.server.beta1": "0.8"}),
+        (["spec_augment.enabled=false", "federated.cohort_size=8"],
+         {"spec_augment.enabled": "false", "federated.cohort_size": "8"}),
+    ],
+)  # fmt: skip
+def test_set_values_name_each_override_by_the_value_it_resolved_to(sets, named):
+    """Rows and figures name a --set by the recipe's value, spelled one way, and a section set
+    whole by the keys it set; the run is the same configuration whichever way it was typed."""
+    registry = load_registry()
+    config = resolve(registry, "synth-cv-en-ls-seed", "server-adam", "none", 0, sets)
+    assert set_values(config.model_dump(mode="json")) == named
+    dotted = [f"{key}={value}" for key, value in named.items()]
+    again = resolve(registry, "synth-cv-en-ls-seed", "server-adam", "none", 0, dotted)
+    assert ran_hash(again.model_dump(mode="json")) == ran_hash(config.model_dump(mode="json"))
 
 
 def test_cli_version_alone_prints_it():

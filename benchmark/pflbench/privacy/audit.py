@@ -185,9 +185,13 @@ class CanaryAudit:
         }
 
 
-def check_audit_claim(privacy: dict | None, audit_canaries: int, where: str) -> None:
-    """A record's privacy.audit must be the audit its config asked for, and its μ, ε and
-    accountant ε must follow from its own cosine summary and the privacy claim it sits in."""
+def check_audit_claim(
+    privacy: dict | None, audit_canaries: int, where: str, per_canary: bool = True
+) -> None:
+    """A record's privacy.audit must be the audit its config asked for, its cosine summary and
+    lower bound those of its per-canary cosines, and its μ, ε and accountant ε must follow from
+    the summary and the privacy claim it sits in. `per_canary=False`: an older (stale) record,
+    written before audits kept each canary's cosine, may lack them."""
     audit = (privacy or {}).get("audit")
     if audit is None:
         if audit_canaries:
@@ -208,9 +212,15 @@ def check_audit_claim(privacy: dict | None, audit_canaries: int, where: str) -> 
                 f"{where}: privacy.audit.{key} is {audit.get(key)!r}, expected {value!r} (the"
                 " config's privacy.audit_canaries and pflbench's audit)"
             )
-    values = audit.get("canary_cosines")  # absent in older records: their summary is the claim
+    values = audit.get("canary_cosines")
     if values is not None:
         check_canary_cosines(audit, values, audit_canaries, where)
+    elif per_canary:
+        raise UserError(
+            f"{where}: privacy.audit.canary_cosines is missing: the cosine summary and the lower"
+            " bound are checked against each canary's cosine (records of an older task version"
+            " or numerics, filed before audits kept them, are exempt)"
+        )
     simulated = privacy.get("simulated") or {}
     mu = mu_of(audit["cosines"])
     expected = {

@@ -640,7 +640,9 @@ def _validate_record(
         check_seed_model(record, config, where)
     check_record_privacy(raw.get("privacy"), config, budget, where)
     check_privacy_statement(raw.get("privacy"), config, where)
-    check_audit_claim(raw.get("privacy"), config.recipe.privacy.audit_canaries, where)
+    check_audit_claim(
+        raw.get("privacy"), config.recipe.privacy.audit_canaries, where, per_canary=not stale
+    )
     check_compute(record, config, where)
     return stale
 

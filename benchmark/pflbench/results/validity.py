@@ -39,6 +39,7 @@ from pflbench.results.leaderboard import cohort_size
 from pflbench.results.schema import ResultRecord
 from pflbench.results.stats import Interval, difference_interval, record_counts
 from pflbench.spec.models import Budget
+from pflbench.spec.resolve import set_values
 
 COHORT_KEY = "federated.cohort_size"
 SERVER_LR_KEY = "federated.server.lr"
@@ -262,7 +263,7 @@ def table_report(
     for r in records:
         if r.task.name != task or r.kind != "run":
             continue
-        overrides = (r.config or {}).get("overrides") or {}
+        overrides = set_values(r.config or {})  # one spelling of each value: one setting
         if set(overrides) - {COHORT_KEY, *spec.tuned} or (
             task_version is not None and r.task.version != task_version
         ):

@@ -128,14 +128,30 @@ _MISSING = object()
 
 def set_values(config: dict) -> dict[str, str]:
     """A stored config's --set overrides, each with the value its recipe resolved it to, spelled
-    one way (`1e-3`, `.001` and `0.001` all read `0.001`): how rows and figures name them."""
+    one way (`1e-3`, `.001` and `0.001` all read `0.001`): how rows and figures name them. A
+    section set whole (`federated.server={lr: 0.5}`) reads as the keys it set
+    (`federated.server.lr=0.5`), as it ran."""
     out = {}
     for key, typed in (config.get("overrides") or {}).items():
-        node: Any = config.get("recipe") or {}
-        for part in key.split("."):
-            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
-        out[key] = typed if node is _MISSING else _spell(node)
+        for leaf in _leaf_keys(key, typed):
+            node: Any = config.get("recipe") or {}
+            for part in leaf.split("."):
+                node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+            out[leaf] = typed if node is _MISSING else _spell(node)
     return out
+
+
+def _leaf_keys(key: str, typed: str) -> list[str]:
+    """The dotted keys an override sets: itself, or a mapping's leaves under it."""
+    try:
+        value = yaml.safe_load(typed)
+    except yaml.YAMLError:
+        return [key]
+    if not isinstance(value, dict) or not value:
+        return [key]
+    return [
+        leaf for sub, v in value.items() for leaf in _leaf_keys(f"{key}.{sub}", yaml.safe_dump(v))
+    ]
 
 
 def _spell(value: Any) -> str:
