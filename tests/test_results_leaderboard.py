@@ -405,6 +405,19 @@ def test_stale_records_are_pinned_by_id(tmp_path):
     assert f"{edited}: stale, not pinned" in refused and f"{stale[0]}: pinned, not filed" in refused
     refused_too = CliRunner().invoke(app, ["results", "validate", *args]).exception
     assert isinstance(refused_too, UserError) and str(refused_too) == refused
+    # A current record pinned as stale (pinned with other specs): named as such, not as gone.
+    config = resolve(load_registry([FX_SPECS]), "fx-task", "fedavg", "fx-nodp", 0, [])
+    current = _file_run(root, config.model_dump(mode="json"))
+    current = current.relative_to(root).with_suffix("").as_posix()
+    CliRunner().invoke(app, ["results", "pin-stale", *args])
+    assert current not in read_stale_list(sweeps)
+    write_stale_list(sweeps, [*read_stale_list(sweeps), current])
+    refused = str(CliRunner().invoke(app, board).exception)
+    assert f"{current}: pinned, but current with the specs loaded" in refused, refused
+    # pin-stale writes only into an existing folder (a new sweeps/ switches on the matrix checks)
+    missing = [*args[:-1], str(tmp_path / "no-such-sweeps")]
+    refused = CliRunner().invoke(app, ["results", "pin-stale", *missing]).exception
+    assert isinstance(refused, UserError) and "no such folder of sweep files" in str(refused)
 
 
 def test_split_sweeps_moves_what_is_filed_into_the_manifest(tmp_path):

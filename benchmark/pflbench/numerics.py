@@ -18,7 +18,8 @@ from pathlib import Path
 
 # Bumped whenever a change to pflbench's own code changes the numbers a run produces from the same
 # config, data and packages. Records state it; the leaderboard marks rows run with an older one
-# stale, with the reason below, and submit files them only with --stale.
+# stale, with the reason below, and submit files them only with --stale. A bump turns every filed
+# run stale: `pflbench results pin-stale` pins them (sweeps/stale-records.txt) before CI passes.
 NUMERICS_VERSION = 3
 NUMERICS_CHANGES = {
     2: "clipping exact in fp32/bf16/fp16 (fp64 norms, a proven margin), LAMB/LARS trust ratios"

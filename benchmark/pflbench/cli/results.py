@@ -30,8 +30,8 @@ DataRootOption = typer.Option(
 SweepsOption = typer.Option(
     None,
     "--sweeps",
-    help="The declared matrices (sweeps/*.yaml) whose filed results must be whole; default: "
-    "sweeps/ beside the results folder.",
+    help="The declared matrices (sweeps/*.yaml) whose filed results must be whole, and the "
+    "stale records' pins (stale-records.txt); default: sweeps/ beside the results folder.",
 )
 LEADERBOARD_FILE = Path("leaderboard.md")
 FIGURES_DIR = Path("docs/figures")
@@ -192,9 +192,11 @@ def register(app: typer.Typer) -> None:
         runs, each is checked on its own (in one process, so shared accountant results are
         computed once): a refused run is reported and the others are still filed; the exit code
         is 2 when any was refused. A run whose record is filed already is reported and skipped."""
+        from pflbench.results.leaderboard import stale_because
         from pflbench.results.rescore import DataOptions
         from pflbench.results.submit import AlreadyFiled
         from pflbench.results.submit import submit as submit_run
+        from pflbench.results.sweep import current_version
 
         data = DataOptions(data_root=data_root, progress=not as_json)
         registry = _registry(specs, plugins)
@@ -215,7 +217,10 @@ def register(app: typer.Typer) -> None:
                 continue
             accepted.append(one)
             if not as_json:
-                note = " [yellow](stale: older task version)[/]" if one.stale else ""
+                note = ""
+                if one.stale:  # as the leaderboard marks it: "v5" or "numerics v2"
+                    version = current_version(registry, one.record.task.name)
+                    note = f" [yellow](stale: {stale_because(one.record, version)})[/]"
                 if one.audio_only:
                     note += f" ({AUDIO_ONLY_NOTE}: {', '.join(one.audio_only)})"
                 checked = "re-evaluated" if one.reevaluated else "re-scored"
@@ -519,11 +524,17 @@ def register(app: typer.Typer) -> None:
         _check_declared([record for _, record, _ in found], results, sweeps, registry)
         if (results / PAPER_DIR).is_dir():  # the reference rows are what tables.yaml gives
             sync = sync_paper_records(results, registry, write=False)
-            wrong = sync.differing + sync.extra
-            if wrong:
+            if sync.extra:
                 raise UserError(
-                    f"{wrong[0]}: not the reference record results/paper/tables.yaml gives "
-                    f"({len(wrong)} such); `pflbench results paper` rewrites them from the map"
+                    f"{sync.extra[0]}: a reference record results/paper/tables.yaml does not give"
+                    f" ({len(sync.extra)} such): add its row to the map, or remove it"
+                )
+            if sync.differing:
+                wrong = sync.differing[0]
+                what = "not the reference record" if wrong.is_file() else "missing: the record"
+                raise UserError(
+                    f"{wrong}: {what} results/paper/tables.yaml gives ({len(sync.differing)}"
+                    " such); `pflbench results paper` writes them from the map"
                 )
         stale = 0
         for path, record, raw in found:
@@ -599,6 +610,7 @@ def register(app: typer.Typer) -> None:
             STALE_LIST,
             read_stale_list,
             replaced_records,
+            stale_entry,
             write_stale_list,
         )
 
@@ -612,7 +624,7 @@ def register(app: typer.Typer) -> None:
         folder = _sweeps_folder(results, sweeps)
         if paths and not dry_run and (folder / STALE_LIST).is_file():
             # The removed records leave the pin list; nothing else in it changes.
-            gone = {f"{r.task.name}/{r.budget}/{r.record_id}" for p, r, _ in found if p in paths}
+            gone = {stale_entry(r) for p, r, _ in found if p in paths}
             write_stale_list(folder, [e for e in read_stale_list(folder) if e not in gone])
         console.print(f"{len(paths)} replaced runs {'found' if dry_run else 'removed'}")
 
@@ -625,13 +637,15 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write sweeps/stale-records.txt: every filed run of an older task version or numerics,
         by task/budget/record id. `leaderboard` and `results validate` hold the stale records to
-        it, since no other check covers them: run it after a task version bump or `submit
-        --stale`, and review its diff."""
+        it, since no other check covers them: run it after a task version bump, a
+        NUMERICS_VERSION bump (every filed run turns stale) or `submit --stale`, and review its
+        diff."""
         from pflbench.results.leaderboard import load_results
         from pflbench.results.sweep import read_stale_list, stale_entries, write_stale_list
 
         folder = _sweeps_folder(results, sweeps)
-        folder.mkdir(parents=True, exist_ok=True)
+        if not folder.is_dir():  # a new sweeps/ would also switch on the declared-matrix checks
+            raise UserError(f"{folder}: no such folder of sweep files (--sweeps)")
         before = set(read_stale_list(folder))
         entries = stale_entries(load_results(results), _registry(specs, plugins))
         path = write_stale_list(folder, entries)

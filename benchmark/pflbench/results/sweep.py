@@ -157,8 +157,7 @@ def replaced_records(
         return r.task.name, r.baseline, r.budget, canonical_json(set_values(r.config))
 
     def version(r: ResultRecord) -> int | None:
-        task = registry.tasks.get(r.task.name)
-        return task.spec.version if task is not None else None
+        return current_version(registry, r.task.name)
 
     runs = [(path, r) for path, r, _ in found if r.kind == "run" and r.config is not None]
     current: dict[tuple, set[int]] = {}
@@ -435,15 +434,21 @@ def stale_entries(records: list[ResultRecord], registry: Registry) -> list[str]:
     """'task/budget/record_id' of each filed run whose row is stale (leaderboard.stale_because)."""
     from pflbench.results.leaderboard import stale_because
 
-    def version(r: ResultRecord) -> int | None:
-        task = registry.tasks.get(r.task.name)
-        return task.spec.version if task is not None else None
-
     return sorted(
-        f"{r.task.name}/{r.budget}/{r.record_id}"
+        stale_entry(r)
         for r in records
-        if r.kind == "run" and stale_because(r, version(r)) is not None
+        if r.kind == "run" and stale_because(r, current_version(registry, r.task.name)) is not None
     )
+
+
+def stale_entry(record: ResultRecord) -> str:
+    return f"{record.task.name}/{record.budget}/{record.record_id}"
+
+
+def current_version(registry: Registry, task: str) -> int | None:
+    """The task's version in the registry; None for a task it does not hold."""
+    loaded = registry.tasks.get(task)
+    return loaded.spec.version if loaded is not None else None
 
 
 def read_stale_list(folder: Path) -> list[str]:
@@ -463,8 +468,15 @@ def write_stale_list(folder: Path, entries: list[str]) -> Path:
 def check_stale_pinned(records: list[ResultRecord], folder: Path, registry: Registry) -> None:
     """Every stale record is listed in the folder's STALE_LIST, and every listed one is filed."""
     found, listed = set(stale_entries(records, registry)), set(read_stale_list(folder))
+    filed = {stale_entry(r) for r in records if r.kind == "run"}
     problems = [f"{e}: stale, not pinned" for e in sorted(found - listed)]
-    problems += [f"{e}: pinned, not filed" for e in sorted(listed - found)]
+    problems += [
+        f"{e}: pinned, but current with the specs loaded (its task from --specs or a plug-in"
+        " not loaded here?)"
+        if e in filed
+        else f"{e}: pinned, not filed"
+        for e in sorted(listed - found)
+    ]
     if problems:
         raise UserError(
             f"the stale records are not the ones {folder / STALE_LIST} pins (a record of an older"
