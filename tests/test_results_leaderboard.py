@@ -577,3 +577,11 @@ def test_two_spellings_of_one_set_value_are_one_row_named_one_way():
     assert len(group_rows([first, second])) == 1
     assert row_label(first) == row_label(second) == f"{first.baseline} [federated.server.lr=0.001]"
     assert len(group_rows([first, spelled(row.records[1], "0.002", 2e-3)])) == 2
+    # A --set that restates the default is the plain configuration: one row, named plain
+    # whichever record id is smaller.
+    plain = row.records[1]
+    default = plain.config["recipe"]["federated"]["server"]["lr"]
+    restated = spelled(row.records[0], repr(default), default)
+    for restated_id in ("0" * 16, "f" * 16):
+        (merged,) = group_rows([plain, restated.model_copy(update={"record_id": restated_id})])
+        assert row_label(merged.first) == plain.baseline and len(merged.records) == 2

@@ -23,7 +23,7 @@ from pflbench.results.paper import NOISE_BUDGET_PREFIX, PAPER_DIR
 from pflbench.results.schema import ResultRecord, load_record, record_numerics_version
 from pflbench.results.stats import row_interval
 from pflbench.spec.models import Budget
-from pflbench.spec.resolve import ran_hash
+from pflbench.spec.resolve import ran_hash, set_values
 
 SCHEMA_FILE = "schema.json"
 VERIFICATION_FILE = "verification.json"  # `pflbench verify`'s stamp (results/verify.py)
@@ -142,7 +142,10 @@ def check_filed_where_it_belongs(record: ResultRecord, rel: Path, path: Path) ->
 
 @dataclass(frozen=True)
 class Row:
-    records: tuple[ResultRecord, ...]  # sorted by record id
+    # Sorted by the --set overrides they name, fewest first, then record id: `first` names the
+    # row, and a row holding a plain run and one whose --set only restates a default (the same
+    # configuration) reads plain, whichever id is smaller.
+    records: tuple[ResultRecord, ...]
 
     @property
     def first(self) -> ResultRecord:
@@ -169,7 +172,11 @@ def group_rows(records: list[ResultRecord]) -> list[Row]:
     groups: dict[tuple[str, str], list[ResultRecord]] = {}
     for record in records:
         groups.setdefault(group_key(record), []).append(record)
-    return [Row(tuple(sorted(g, key=lambda r: r.record_id))) for g in groups.values()]
+
+    def order(r: ResultRecord) -> tuple[int, str]:
+        return len(set_values(r.config or {})), r.record_id
+
+    return [Row(tuple(sorted(g, key=order))) for g in groups.values()]
 
 
 # ----------------------------------------------------------------------------------------------
