@@ -131,27 +131,19 @@ def set_values(config: dict) -> dict[str, str]:
     one way (`1e-3`, `.001` and `0.001` all read `0.001`): how rows and figures name them. A
     section set whole (`federated.server={lr: 0.5}`) reads as the keys it set
     (`federated.server.lr=0.5`), as it ran."""
-    out = {}
-    for key, typed in (config.get("overrides") or {}).items():
-        for leaf in _leaf_keys(key, typed):
-            node: Any = config.get("recipe") or {}
-            for part in leaf.split("."):
-                node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
-            out[leaf] = typed if node is _MISSING else _spell(node)
-    return out
+    overrides = config.get("overrides") or {}
+    given, _ = parse_set([f"{key}={typed}" for key, typed in overrides.items()])
+    return dict(_set_leaves(given, config.get("recipe") or {}, ""))
 
 
-def _leaf_keys(key: str, typed: str) -> list[str]:
-    """The dotted keys an override sets: itself, or a mapping's leaves under it."""
-    try:
-        value = yaml.safe_load(typed)
-    except yaml.YAMLError:
-        return [key]
-    if not isinstance(value, dict) or not value:
-        return [key]
-    return [
-        leaf for sub, v in value.items() for leaf in _leaf_keys(f"{key}.{sub}", yaml.safe_dump(v))
-    ]
+def _set_leaves(given: dict, resolved: Any, prefix: str):
+    """(dotted key, spelled value) of each leaf --set gave, its value read from `resolved`."""
+    for key, value in given.items():
+        found = resolved.get(key, _MISSING) if isinstance(resolved, dict) else _MISSING
+        if isinstance(value, dict) and value:
+            yield from _set_leaves(value, found, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", _spell(value if found is _MISSING else found)
 
 
 def _spell(value: Any) -> str:
