@@ -516,26 +516,14 @@ def register(app: typer.Typer) -> None:
         (sweeps/to-run/) with no run beside it; the papers' reference rows are what
         results/paper/tables.yaml gives. `results rescore` re-scores the WERs."""
         from pflbench.results.leaderboard import load_result_files
-        from pflbench.results.paper import PAPER_DIR, sync_paper_records
+        from pflbench.results.paper import PAPER_DIR, check_paper_records
         from pflbench.results.submit import validate_record
 
         registry = _registry(specs, plugins)
         found = load_result_files(results)
         _check_declared([record for _, record, _ in found], results, sweeps, registry)
-        if (results / PAPER_DIR).is_dir():  # the reference rows are what tables.yaml gives
-            sync = sync_paper_records(results, registry, write=False)
-            if sync.extra:
-                raise UserError(
-                    f"{sync.extra[0]}: a reference record results/paper/tables.yaml does not give"
-                    f" ({len(sync.extra)} such): add its row to the map, or remove it"
-                )
-            if sync.differing:
-                wrong = sync.differing[0]
-                what = "not the reference record" if wrong.is_file() else "missing: the record"
-                raise UserError(
-                    f"{wrong}: {what} results/paper/tables.yaml gives ({len(sync.differing)}"
-                    " such); `pflbench results paper` writes them from the map"
-                )
+        if (results / PAPER_DIR).is_dir():
+            check_paper_records(results, registry)
         stale = 0
         for path, record, raw in found:
             if record.kind == "run":

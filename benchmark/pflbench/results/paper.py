@@ -459,3 +459,20 @@ def sync_paper_records(results: Path, registry: Registry, write: bool) -> PaperS
             sync.written.append(path)
     sync.extra = sorted(p for p in folder.glob("*.json") if p.name not in built.records)
     return sync
+
+
+def check_paper_records(results: Path, registry: Registry) -> None:
+    """results/paper/ holds exactly the reference records tables.yaml gives (`results validate`)."""
+    sync = sync_paper_records(results, registry, write=False)
+    if sync.extra:
+        raise UserError(
+            f"{sync.extra[0]}: a reference record results/paper/tables.yaml does not give"
+            f" ({len(sync.extra)} such): add its row to the map, or remove it"
+        )
+    if sync.differing:
+        wrong = sync.differing[0]
+        what = "not the reference record" if wrong.is_file() else "missing: the record"
+        raise UserError(
+            f"{wrong}: {what} results/paper/tables.yaml gives ({len(sync.differing)}"
+            " such); `pflbench results paper` writes them from the map"
+        )

@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pflbench.errors import UserError
 from pflbench.methods import check_run
 from pflbench.numerics import NUMERICS_VERSION
+from pflbench.results.leaderboard import stale_because
 from pflbench.results.plots import PlotReport, plot_results, plot_run
 from pflbench.results.schema import ResultRecord, load_record, record_numerics_version
 from pflbench.results.submit import what_ran
@@ -432,8 +433,6 @@ STALE_HEADER = """\
 
 def stale_entries(records: list[ResultRecord], registry: Registry) -> list[str]:
     """'task/budget/record_id' of each filed run whose row is stale (leaderboard.stale_because)."""
-    from pflbench.results.leaderboard import stale_because
-
     return sorted(
         stale_entry(r)
         for r in records
