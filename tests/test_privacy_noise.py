@@ -6,7 +6,7 @@ from fractions import Fraction
 
 import pytest
 import torch
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pflbench.privacy.aggregate import ExactSum
@@ -264,27 +264,27 @@ def test_exact_sum_keeps_fp64_updates_exact():
 
 @settings(max_examples=300, deadline=None)
 @given(
-    clip=st.floats(1e-6, 1e3),
-    on_grid=st.lists(st.floats(-0.5, 0.5), max_size=7),
-    above_half=st.floats(0.0, 0.45),
+    exponent=st.integers(-20, 10),
+    on_grid=st.lists(st.floats(-0.25, 0.25), max_size=7),
+    last_fraction=st.floats(1.01, 1.1),
+    above_half=st.floats(0.0, 0.2),
 )
 def test_an_fp64_term_clipping_leaves_alone_stays_within_c_once_quantized(
-    clip, on_grid, above_half
+    exponent, on_grid, last_fraction, above_half
 ):
     """The released sum's sensitivity is the quantized term's norm. An fp64 update that clipping
-    leaves alone, just under C: every element on the run's grid but the last, which lies more
-    than half a step above a grid point whose next one would take the norm past C (rounded half
-    to even it would). In the sum it stays within C, exactly."""
-    total = ExactSum({"w": torch.zeros(len(on_grid) + 1, dtype=torch.float64)}, max_abs=clip)
-    scale = total.scale  # a power of two: x/scale is exact
-    head = [math.floor(f * clip * scale) / scale for f in on_grid]
-    rest = clip**2 - math.fsum(h * h for h in head)
-    assume(rest > (clip / 4) ** 2)
-    last_steps = math.sqrt(rest) * scale  # the last element that would make the norm C
-    floor = math.floor(last_steps)
-    assume(last_steps - floor > 0.5 + above_half + 2**-5)  # far enough under C to be left alone
-    last = (floor + 0.5 + above_half + 2**-6) / scale
-    values = torch.tensor([*head, last], dtype=torch.float64)
+    leaves alone, just under C: every element on the sum's grid but the last, which lies more
+    than half a step below the grid point `top` that would take the norm past C (rounded half to
+    even it would go there). In the sum it stays within C, exactly."""
+    binade = 2.0**exponent  # every C in (binade, 2·binade] has the same grid step, 1/scale
+    scale = ExactSum({"w": torch.zeros(1, dtype=torch.float64)}, max_abs=1.5 * binade).scale
+    head = [math.floor(f * binade * scale) for f in on_grid]  # grid points, in steps
+    top = math.floor(last_fraction * binade * scale)
+    clip = math.sqrt(math.fsum(h * h for h in head) + (top - 0.1) ** 2) / scale
+    total = ExactSum({"w": torch.zeros(len(head) + 1, dtype=torch.float64)}, max_abs=clip)
+    assert total.scale == scale
+    last = (top - 0.5 + above_half + 2**-6) / scale  # a fifth of a step under C at least
+    values = torch.tensor([h / scale for h in head] + [last], dtype=torch.float64)
     result = clip_update({"w": values}, "global", clip)
     assert not result.changed  # just under C: clipping leaves it alone
     total.add(result.update)
