@@ -53,7 +53,10 @@ def commands(part: str, device: str) -> list[tuple[list[str], int]]:
         ["--cohort", "8", "--local-steps", "4"] if gpu else ["--cohort", "2", "--local-steps", "2"]
     )
     if part == "bench":  # each --compile run times the eager step beside the compiled one
+        # Eager first, alone: its figures (MFU, outside share, memory, GPU-hours) come back even
+        # where compilation outlasts its cap, as it did on 2026-11-27.
         return [
+            (pflbench("bench", "fl", "--device", device, *paper, *cohort, "--json"), 90),
             (pflbench("bench", "fl", "--device", device, *paper, *cohort, "--compile", "--json"),
              300),
             (

@@ -104,7 +104,9 @@ def test_bench_fl_reports_the_parallel_speedup():
             "--parallel-clients", "2", "--json"]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
-    figures = json.loads(result.output)
+    figures = json.loads(result.stdout)  # the phases' lines go to stderr, as they end
+    assert "one_at_a_time: first central step" in result.stderr
+    assert "peak memory at cohort 64" in result.stderr
     assert figures["parallel_clients"] == 2 and figures["cohort"] == 4
     # the speed-up is the ratio of the two timed central steps, each a positive duration
     one, grouped = (

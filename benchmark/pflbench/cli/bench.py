@@ -5,7 +5,14 @@ from __future__ import annotations
 import typer
 from rich.table import Table
 
-from pflbench.cli.common import DeviceOption, JsonOption, check_device, console, print_json
+from pflbench.cli.common import (
+    DeviceOption,
+    JsonOption,
+    check_device,
+    console,
+    err_console,
+    print_json,
+)
 
 
 def _print(title: str, figures: dict, as_json: bool) -> None:
@@ -110,6 +117,7 @@ def register(app: typer.Typer) -> None:
         figures = bench_fl(
             preset, device, cohort, local_steps, parallel_clients, dropout, layer_drop,
             compile_backend="inductor" if compile_step else None,
+            report=lambda line: err_console.print(line, markup=False, highlight=False),
         )  # fmt: skip
         _print(f"federated step, {preset} on {device}", figures, as_json)
 

@@ -19,7 +19,9 @@ LAMB step) on in-memory random utterances, so it needs no corpus, and prints:
 
 from __future__ import annotations
 
+import gc
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -143,6 +145,9 @@ def timed_steps(sim: Simulator, steps: int) -> tuple[float, float, dict]:
 
 
 def step_peak_memory(preset: str, device: str, cohort: int, **sim_args) -> int | None:
+    # The simulators measured before (reference cycles) would otherwise count as this one's:
+    # on an H200 the peak at cohort 8 came out above cohort 64's.
+    gc.collect()
     sim = make_simulator(preset, device, cohort, local_steps=1, **sim_args)
     sim.run_step()  # warm-up: allocator pools and lazily created buffers
     reset_peak_memory(device)
@@ -159,12 +164,14 @@ def bench_fl(
     dropout: float | None = None,
     layer_drop: float | None = None,
     compile_backend: str | None = None,
+    report: Callable[[str], None] = lambda line: None,
 ) -> dict:
     """The figures of the module docstring; with parallel_clients > 1, of the simulator training
     that many clients at once, plus its speed-up over one client at a time (eager); with a
     `compile_backend` (`--compile`: inductor), of the local step compiled with it, plus its
     speed-up over the eager one (same G). `dropout` and `layer_drop` override the preset's
-    (None: keep them)."""
+    (None: keep them). `report` gets a line as each phase ends, so that a run stopped part-way
+    (a lent GPU's few minutes) still tells where its time went."""
     cuda = device.startswith("cuda")
     steps = 2
     model_args = {"dropout": dropout, "layer_drop": layer_drop}
@@ -182,7 +189,10 @@ def bench_fl(
                              compile_backend=backend)
         for name, (parallel, backend) in setups.items()
     }  # fmt: skip
-    first = {name: timed_steps(sim, 1)[0] for name, sim in sims.items()}
+    first = {}
+    for name, sim in sims.items():
+        first[name] = timed_steps(sim, 1)[0]
+        report(f"{name}: first central step {first[name]:.1f} s (compilation included)")
     totals = {name: [0.0, 0.0, 0.0] for name in sims}  # wall, client compute, aggregation
     local_steps_taken, frames = dict.fromkeys(sims, 0), dict.fromkeys(sims, 0)
     for _ in range(steps):
@@ -193,6 +203,7 @@ def bench_fl(
             totals[name][2] += sim.aggregation_seconds
             local_steps_taken[name] += stats["local_steps"]
             frames[name] += stats["frames"]
+            report(f"{name}: central step {wall:.2f} s, client compute {compute:.2f} s")
     local_step = {name: totals[name][1] / max(1, local_steps_taken[name]) for name in sims}
     sim, (wall, compute, aggregation) = sims["run"], totals["run"]
     local_step_seconds = local_step["run"]
@@ -241,10 +252,13 @@ def bench_fl(
         figures["a100_per_gpu_factor_assumed"] = factor
         figures["paper_run_a100_hours_equivalent"] = hours * factor if factor else None
         figures["paper_run_a100_hours_reported"] = PAPER_A100_HOURS
+    report(f"timing figures: {figures}")
     del sim, sims
     sim_args = {**model_args, "compile_backend": compile_backend}
-    figures["peak_memory_bytes_cohort8"] = step_peak_memory(preset, device, 8, **sim_args)
-    figures["peak_memory_bytes_cohort64"] = step_peak_memory(preset, device, 64, **sim_args)
+    for memory_cohort in (8, 64):
+        peak_bytes = step_peak_memory(preset, device, memory_cohort, **sim_args)
+        figures[f"peak_memory_bytes_cohort{memory_cohort}"] = peak_bytes
+        report(f"peak memory at cohort {memory_cohort}: {peak_bytes} bytes")
     small, large = figures["peak_memory_bytes_cohort8"], figures["peak_memory_bytes_cohort64"]
     figures["peak_memory_ratio_64_vs_8"] = large / small if small and large else None
     return figures
