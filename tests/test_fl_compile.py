@@ -22,9 +22,9 @@ AUGMENT = SpecAugmentRecipe(freq_masks=1, freq_width=8, time_masks=1, time_width
 STEP = 5  # the central step the clients train at
 
 
-def _trainer(data, group_size: int, batch_seconds: float = 6.0, **options):
+def _trainer(data, group_size: int, batch_seconds: float = 6.0, layer_drop=None, **options):
     torch.manual_seed(0)
-    model = build_model("tiny", data.tokenizer.size)
+    model = build_model("tiny", data.tokenizer.size, layer_drop=layer_drop)
     recipe = ClientRecipe(batch_seconds=batch_seconds, lr=0.5, local_steps=2)
     names = [n for n, _ in model.named_parameters()]
     algorithm = make_algorithm(recipe, model, names, seed=7)
@@ -37,6 +37,7 @@ def _trainer(data, group_size: int, batch_seconds: float = 6.0, **options):
 def _updates(data, group_size: int, **options) -> dict[str, tuple[float, dict]]:
     """user -> (loss, update) of two clients trained at STEP."""
     model, trainer = _trainer(data, group_size, **options)
+    torch.manual_seed(1)  # the layer-drop draws (the default generator)
     global_params = [p.detach() for p in model.parameters()]
     clients = largest_users(data.federated_train, 2)
     return {
@@ -65,6 +66,20 @@ def test_the_compiled_local_step_has_no_graph_break_and_the_eager_updates(
     # Over every compilation of the training (shapes change between local steps): the loss and
     # the update rule were compiled, and dynamo never broke a graph.
     assert counters["stats"]["unique_graphs"] >= 2
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    _assert_close(compiled, eager)
+
+
+def test_layer_drop_compiles_without_graph_breaks_to_the_eager_updates(tiny_task_data):
+    # paper-255m drops each of its 36 blocks with probability 0.3: eagerly a branch on a draw,
+    # which compiled broke the graph at every block. Both draw from the default generator here
+    # (aot_eager runs the graph's ops eagerly), so they skip the same blocks.
+    eager = _updates(tiny_task_data, 1, layer_drop=0.5)
+    losses = {user: loss for user, (loss, _) in _updates(tiny_task_data, 1).items()}
+    assert {user: loss for user, (loss, _) in eager.items()} != losses, "no block was dropped"
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = _updates(tiny_task_data, 1, layer_drop=0.5, compile_backend="aot_eager")
     assert not counters["graph_break"], dict(counters["graph_break"])
     _assert_close(compiled, eager)
 

@@ -20,5 +20,11 @@ def step_compiler(
     """torch.compile with `backend` (None: run eagerly), with CUDA graphs when asked."""
     if backend is None:
         return None
-    mode = "reduce-overhead" if cuda_graphs else None
-    return functools.partial(torch.compile, backend=backend, mode=mode)
+    if backend != "inductor":
+        return functools.partial(torch.compile, backend=backend)
+    # Inductor's options stand for mode="reduce-overhead" (triton.cudagraphs) so as to turn its
+    # tiling analysis off as well: on an H200 (torch 2.11, 2026-11-28) that analysis failed an
+    # assertion in Triton code generation for paper-255m's graph once layer drop no longer broke
+    # it. It only chooses tilings, and Meta's internal builds ship with it off.
+    options = {"triton.cudagraphs": cuda_graphs, "triton.coalesce_tiling_analysis": False}
+    return functools.partial(torch.compile, backend="inductor", options=options)

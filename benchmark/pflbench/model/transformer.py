@@ -19,7 +19,8 @@ output. Global shift makes absolute positions useless, so the model learns relat
 local shift and scaling make it robust to speaking rate.
 
 Layer drop skips each block with probability `layer_drop` during training (one draw per block
-per batch). On CUDA the encoder runs under bf16 autocast; log-probabilities are float32.
+per batch; compiled, the block runs and the draw discards its output, so its FLOPs are spent).
+On CUDA the encoder runs under bf16 autocast; log-probabilities are float32.
 """
 
 from __future__ import annotations
@@ -184,12 +185,16 @@ class CTCTransformer(nn.Module):
                 :, None, None
             ]
             for block in self.blocks:
-                if (
-                    self.training
-                    and self.cfg.layer_drop > 0
-                    and torch.rand(()) < self.cfg.layer_drop
-                ):
-                    continue
+                if self.training and self.cfg.layer_drop > 0:
+                    if torch.compiler.is_compiling():
+                        # Branching on a draw breaks the graph once per block (and under CUDA
+                        # graphs, each pattern of skipped blocks is graphs of its own): compiled,
+                        # every block runs and the draw selects its output.
+                        dropped = torch.rand((), device=x.device) < self.cfg.layer_drop
+                        x = torch.where(dropped, x, block(x, keep))
+                        continue
+                    if torch.rand(()) < self.cfg.layer_drop:
+                        continue
                 x = block(x, keep)
             logits = self.head(self.ln_out(x))
         return F.log_softmax(logits.float(), dim=-1), out_lens
