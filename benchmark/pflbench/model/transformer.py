@@ -184,18 +184,18 @@ class CTCTransformer(nn.Module):
             keep = (torch.arange(frames, device=x.device)[None, :] < out_lens[:, None])[
                 :, None, None
             ]
+            drop = self.cfg.layer_drop if self.training else 0.0
             for block in self.blocks:
-                if self.training and self.cfg.layer_drop > 0:
-                    if torch.compiler.is_compiling():
-                        # Branching on a draw breaks the graph once per block (and under CUDA
-                        # graphs, each pattern of skipped blocks is graphs of its own): compiled,
-                        # every block runs and the draw selects its output.
-                        dropped = torch.rand((), device=x.device) < self.cfg.layer_drop
-                        x = torch.where(dropped, x, block(x, keep))
-                        continue
-                    if torch.rand(()) < self.cfg.layer_drop:
-                        continue
-                x = block(x, keep)
+                if drop == 0:
+                    x = block(x, keep)
+                elif torch.compiler.is_compiling():
+                    # Branching on a draw breaks the graph once per block (and under CUDA graphs,
+                    # each pattern of skipped blocks is graphs of its own): compiled, every block
+                    # runs and the draw selects its output.
+                    dropped = torch.rand((), device=x.device) < drop
+                    x = torch.where(dropped, x, block(x, keep))
+                elif torch.rand(()) >= drop:  # eagerly a dropped block is skipped
+                    x = block(x, keep)
             logits = self.head(self.ln_out(x))
         return F.log_softmax(logits.float(), dim=-1), out_lens
 
