@@ -2,7 +2,8 @@
 # Both create .venv on first use, installing the versions constraints.txt pins (the lock: two fresh
 # machines get the same stack, hence the same numbers). Its torch pin keeps pip from choosing a
 # version only a CUDA wheel satisfies; where a local CPU build of it is on pip's find-links, it is
-# the one used. `make lock` rewrites constraints.txt from the installed .venv.
+# the one used. The editable install also builds the privacy path's C kernels in place (setup.py),
+# again when its source changes. `make lock` rewrites constraints.txt from the installed .venv.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -12,7 +13,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml setup.py constraints.txt
+$(VENV)/.installed: pyproject.toml setup.py constraints.txt benchmark/pflbench/privacy/_kernels.c
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet -c constraints.txt -e ".[dev]"
 	touch $@
@@ -35,4 +36,4 @@ lock: install
 	mv constraints.txt.new constraints.txt
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info
+	rm -rf $(VENV) build dist *.egg-info benchmark/pflbench/privacy/_kernels*.so

@@ -1,5 +1,6 @@
-"""The built wheel ships tasks/, baselines/ and budgets, and a non-editable install finds them;
-constraints.txt pins what `make` installs."""
+"""The built wheel ships tasks/, baselines/ and budgets, and a non-editable install finds them
+(and the privacy path's C kernels, where a compiler builds them); constraints.txt pins what
+`make` installs."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+from pflbench.privacy import clipping
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -27,7 +30,8 @@ def wheel(tmp_path_factory) -> Path:
     for name in ("pyproject.toml", "setup.py", "README.md", "benchmark", "tasks", "baselines"):
         path = ROOT / name
         if path.is_dir():
-            shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__"))
+            ignore = shutil.ignore_patterns("__pycache__", "*.so")  # (the build makes its own)
+            shutil.copytree(path, src / name, ignore=ignore)
         elif path.exists():
             shutil.copy(path, src / name)
     for suffix in (".safetensors", ".json"):  # a shipped seed model (central.SHIPPED_SEEDS)
@@ -61,10 +65,10 @@ def test_non_editable_install_finds_specs(wheel, tmp_path):
     proc = subprocess.run([*cmd, str(wheel)], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     code = (
-        "import json, pflbench; from pflbench.spec.registry import load_registry;"
-        "r = load_registry();"
-        "print(json.dumps("
-        "[pflbench.__file__, sorted(r.tasks), sorted(r.budgets), len(r.baselines)]))"
+        "import json, pflbench, importlib.util; from pflbench.spec.registry import load_registry;"
+        "r = load_registry(); kernels = importlib.util.find_spec('pflbench.privacy._kernels');"
+        "print(json.dumps([pflbench.__file__, sorted(r.tasks), sorted(r.budgets),"
+        " len(r.baselines), kernels and kernels.origin]))"
     )
     # the installed copy first; keep any existing path (where dependencies may live)
     env = {
@@ -77,8 +81,10 @@ def test_non_editable_install_finds_specs(wheel, tmp_path):
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, env=env
     )
     assert proc.returncode == 0, proc.stderr
-    module_file, tasks, budgets, n_baselines = json.loads(proc.stdout)
+    module_file, tasks, budgets, n_baselines, kernels = json.loads(proc.stdout)
     assert module_file.startswith(str(target))  # the installed copy, not the checkout
+    if clipping._kernels is not None:  # a C compiler here: the wheel's kernels are built too
+        assert kernels and kernels.startswith(str(target))
     assert "synth-cv-en-ls-seed" in tasks and "cv-en-ls100-seed" in tasks
     declared = yaml.safe_load((ROOT / "tasks" / "budgets.yaml").read_text())["budgets"]
     assert budgets == sorted(b["name"] for b in declared)

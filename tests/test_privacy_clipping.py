@@ -1,6 +1,8 @@
-"""Clipping: bounds hold for every dtype/shape/scale, untouched layers stay bit-identical."""
+"""Clipping: bounds hold for every dtype/shape/scale, untouched layers stay bit-identical; the
+fp64 norms the C kernel measures are torch's, bit for bit."""
 
 import math
+import platform
 from fractions import Fraction
 
 import numpy as np
@@ -9,10 +11,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from pflbench.model.transformer import build_model
+from pflbench.privacy import clipping
 from pflbench.privacy.clipping import (
     clip_examples,
     clip_update,
     layer_bounds,
+    layer_norms,
     zero_if_nonfinite,
 )
 
@@ -379,3 +384,111 @@ def test_fp64_norms_measure_a_large_fp32_layer_exactly():
     exact = math.sqrt(math.fsum(np.square(layer.double().numpy().ravel())))
     (measured,) = clip_update({"w": layer}, "none", 1.0).norms.tolist()
     assert abs(measured - exact) <= 1e-12 * exact
+
+
+# ----------------------------------------------------------------------------------------------
+# The C kernel's fp64 norms of fp32 layers (privacy/_kernels.c)
+
+needs_kernel = pytest.mark.skipif(
+    clipping._kernels is None, reason="the C kernel is not built here (no C compiler at install)"
+)
+
+
+def torchs_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64))
+
+
+@needs_kernel
+@settings(max_examples=300, deadline=None)
+@given(
+    shapes=st.lists(st.lists(st.integers(0, 40), min_size=1, max_size=3), min_size=1, max_size=6),
+    spread=st.floats(0.0, 16.0),
+    seed=st.integers(0, 2**31),
+    strided=st.booleans(),
+)
+def test_the_kernel_measures_fp32_layers_as_torch_does(shapes, spread, seed, strided):
+    """Any shapes (empty ones and ones shorter than the kernel's 4 lanes included) and magnitudes
+    spread over up to 2^±16 (so the order of the sum shows in the last bits): the kernel's norms
+    equal torch's bit for bit. Strided views (which torch sums in memory order) are measured by
+    torch: `layer_norms` gives torch's norms either way."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = [
+        torch.randn(shape, generator=generator)
+        * torch.randn(shape, generator=generator).mul(spread).exp2()
+        for shape in shapes
+    ]
+    if strided:
+        tensors = [t.transpose(0, -1) for t in tensors]
+    else:
+        assert torch.equal(clipping._kernel_layer_norms(tensors), torchs_norms(tensors))
+    assert torch.equal(layer_norms(tensors), torchs_norms(tensors))
+
+
+@needs_kernel
+def test_the_kernel_measures_a_models_update_and_nonfinite_layers_as_torch_does():
+    """The embedded task's model (78 layers up to 262,144 elements) as one flat update, as
+    fl.local_update leaves Δ, and updates of random sizes up to 2^17 elements; then the model's
+    with a NaN, an Inf, and both in some layers: NaN and Inf exactly where torch has them."""
+    model = build_model("synth-cpu-m", 32)
+    sizes = [p.numel() for p in model.parameters()]
+    generator = torch.Generator().manual_seed(4)
+    flat = torch.randn(sum(sizes), generator=generator) * 1e-3
+    update = [v.view(p.shape) for v, p in zip(flat.split(sizes), model.parameters(), strict=True)]
+    assert torch.equal(clipping._kernel_layer_norms(update), torchs_norms(update))
+    lengths = torch.randint(1, 2**17, (40,), generator=generator).tolist()
+    spread = [torch.randn(n, generator=generator).mul(6).exp2() for n in lengths]
+    assert torch.equal(clipping._kernel_layer_norms(spread), torchs_norms(spread))
+    update[3].view(-1)[7] = float("nan")
+    update[10].view(-1)[0] = float("inf")
+    update[20].view(-1)[-1] = float("-inf")
+    update[20].view(-1)[5] = float("nan")
+    got, want = clipping._kernel_layer_norms(update), torchs_norms(update)
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    assert got.isnan().tolist().count(True) == 2 and bool(got[10].isinf())
+    finite = want.isfinite()
+    assert torch.equal(got[finite], want[finite])
+
+
+def _norms_in_order(tensor: torch.Tensor, lanes: int) -> float:
+    """The fp64 norm summed as the kernel sums, with `lanes` lanes (1: element by element)."""
+    values = tensor.double().numpy().ravel()
+    body = len(values) - len(values) % lanes
+    total = 0.0
+    if body:  # (cumsum sums each lane element by element)
+        sums = np.cumsum(values[:body].reshape(-1, lanes) ** 2, axis=0)[-1]
+        total = float(sums[0])
+        for lane_sum in sums[1:]:
+            total += float(lane_sum)
+    for value in values[body:]:
+        total += float(value) ** 2
+    return math.sqrt(total)
+
+
+@needs_kernel
+def test_the_order_check_tells_other_orders_apart():
+    """The kernel is used only where its norms are torch's on the probes: in the kernel's order
+    (4 lanes) the probes' norms are torch's, and in any other (element by element, 2, 8 or 16
+    lanes, numpy's pairwise sum) some differ, so a torch that sums otherwise fails the check."""
+    probes = clipping.order_probes()
+    torchs = torchs_norms(probes).tolist()
+    assert [_norms_in_order(p, 4) for p in probes] == torchs
+    for lanes in (1, 2, 8, 16):
+        assert [_norms_in_order(p, lanes) for p in probes] != torchs
+    pairwise = [math.sqrt(float(np.sum(p.double().numpy() ** 2))) for p in probes]
+    assert pairwise != torchs
+    if platform.machine() in ("x86_64", "AMD64"):  # ATen sums this way on x86-64 (2.13)
+        assert clipping.kernel_norms_are_torchs()
+
+
+def test_layer_norms_are_the_same_with_the_kernel_and_without(monkeypatch):
+    """What clipping sees does not depend on whether the kernel was built."""
+    generator = torch.Generator().manual_seed(9)
+    update = [torch.randn(shape, generator=generator) * 1e-3 for shape in ((64, 33), (5,), (7, 3))]
+    with_kernel = layer_norms(update)
+    monkeypatch.setattr(clipping, "_kernels", None)
+    clipping.kernel_norms_are_torchs.cache_clear()
+    try:
+        assert not clipping.kernel_norms_are_torchs()
+        assert torch.equal(layer_norms(update), with_kernel)
+    finally:
+        clipping.kernel_norms_are_torchs.cache_clear()

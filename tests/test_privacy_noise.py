@@ -1,14 +1,16 @@
 """Noise: right std, same average for server and client placement, keyed streams, and an
-aggregate that is bitwise independent of how users are grouped over workers."""
+aggregate that is bitwise independent of how users are grouped over workers. The exact sum's
+tests that take `sum_path` run on both its CPU paths: the C kernel's one pass and torch's."""
 
 import math
 from fractions import Fraction
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pflbench.privacy import aggregate as exact_sum_module
 from pflbench.privacy.aggregate import ExactSum
 from pflbench.privacy.clipping import clip_update
 from pflbench.privacy.noise import (
@@ -19,6 +21,16 @@ from pflbench.privacy.noise import (
 )
 
 SHAPES = {"enc.w": (64, 48), "enc.ln": (48,), "out.w": (31, 48), "out.b": (31,)}
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def sum_path(request, monkeypatch):
+    """ExactSum's two CPU paths: the C kernel (where setup.py built it) and torch's passes."""
+    if request.param == "kernel" and exact_sum_module._kernels is None:
+        pytest.skip("the C kernel is not built here (setup.py found no C compiler)")
+    if request.param == "torch":
+        monkeypatch.setattr(exact_sum_module, "_kernels", None)
+    return request.param
 
 
 def zeros(dtype=torch.float32) -> dict[str, torch.Tensor]:
@@ -118,7 +130,7 @@ def aggregate(users, groups, placement, clip_bound=1.0, sigma_dp=0.01, seed=5, s
 
 
 @pytest.mark.parametrize("placement", ["server", "client"])
-def test_noisy_aggregate_is_bitwise_identical_for_any_grouping_and_order(placement):
+def test_noisy_aggregate_is_bitwise_identical_for_any_grouping_and_order(placement, sum_path):
     users = clipped_users(13, clip_bound=1.0)
     one_worker = aggregate(users, [list(range(13))], placement)
     two_workers = aggregate(users, [[12, 3, 5, 0, 7, 1], [2, 11, 9, 4, 10, 8, 6]], placement)
@@ -129,7 +141,7 @@ def test_noisy_aggregate_is_bitwise_identical_for_any_grouping_and_order(placeme
     assert float((one_worker - exact_mean).std()) == pytest.approx(0.01, rel=0.1)
 
 
-def test_exact_sum_matches_the_float64_sum():
+def test_exact_sum_matches_the_float64_sum(sum_path):
     users = clipped_users(9, clip_bound=0.01)
     acc = ExactSum(zeros(), max_abs=0.01)
     for u in users:
@@ -140,7 +152,7 @@ def test_exact_sum_matches_the_float64_sum():
     assert float((got - exact).abs().max()) <= 9 / acc.scale  # one rounding per term
 
 
-def test_the_unflushed_sum_is_the_int64_sums_bit_for_bit_and_result_ends_it():
+def test_the_unflushed_sum_is_the_int64_sums_bit_for_bit_and_result_ends_it(sum_path):
     """One process's sum skips the int64 buffer (its fp64 partial sum is the sum); a sum whose
     buffers were taken (to all-reduce) goes through int64: the same floats in every dtype."""
     users = clipped_users(9, clip_bound=0.01)
@@ -159,7 +171,7 @@ def test_the_unflushed_sum_is_the_int64_sums_bit_for_bit_and_result_ends_it():
             via_int64.buffers()
 
 
-def test_exact_sum_rejects_what_could_overflow_or_is_broken():
+def test_exact_sum_rejects_what_could_overflow_or_is_broken(sum_path):
     acc = ExactSum({"w": torch.zeros(3)}, max_abs=1.0, max_terms=2)
     with pytest.raises(ValueError, match="max_abs"):
         acc.add({"w": torch.tensor([0.0, 1.5, 0.0])})
@@ -183,7 +195,7 @@ def test_noise_std_must_be_valid():
         add_gaussian_noise(zeros(), float("nan"), noise_generator(0, 0))
 
 
-def test_exact_sum_trusts_only_a_bound_within_range_and_checks_otherwise():
+def test_exact_sum_trusts_only_a_bound_within_range_and_checks_otherwise(sum_path):
     total = ExactSum({"w": torch.zeros(3)}, max_abs=1.0)
     total.add({"w": torch.tensor([0.5, -0.25, 1.0])}, largest=1.0)  # proven in range: no pass
     with pytest.raises(ValueError, match="magnitude 2.0 exceeds max_abs=1.0"):
@@ -202,7 +214,7 @@ def _quantized_in_fp64(values: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_exact_sum_quantizes_narrow_updates_as_fp64_would(dtype):
+def test_exact_sum_quantizes_narrow_updates_as_fp64_would(dtype, sum_path):
     """The sum quantizes in fp32 scratch: on half-way points, subnormals, values at max_abs and
     random values of every magnitude it lands on the grid point fp64 arithmetic gives."""
     max_abs = 0.75
@@ -225,7 +237,7 @@ def test_exact_sum_quantizes_narrow_updates_as_fp64_would(dtype):
     assert total.result(torch.float64)["w"].shape == values.shape
 
 
-def test_exact_sum_partial_fp64_sums_stay_exact_at_their_largest():
+def test_exact_sum_partial_fp64_sums_stay_exact_at_their_largest(sum_path):
     """Runs of terms are summed in fp64 before they join the int64 sum: with elements at
     ±max_abs (each partial sum near its largest, 2^53) between terms whose integers are odd (which
     fp64 would round away beyond 2^53), over several runs, the sum equals the integers' exact
@@ -249,20 +261,25 @@ def test_exact_sum_partial_fp64_sums_stay_exact_at_their_largest():
     assert (total.terms_per_partial + 1) * largest_integer > 2**53  # runs as long as exact
 
 
-def test_exact_sum_keeps_fp64_updates_exact():
+def test_exact_sum_keeps_fp64_updates_exact(sum_path):
     """On a CPU the scratch is fp64 whatever the terms' dtype (fp32 terms are widened by a copy),
     so an fp64 update is exact in a sum made like fp32 tensors too: each element toward zero on
-    the grid (an fp64 term's rounding must not grow it)."""
-    off_grid = [0.75 * 2**-60, -1.5 * 2**-60]  # at max_abs 1 and 4 terms, the step is 2^-60
-    values = torch.tensor([1 / 3, -(2**-60), 0.5 + 2**-40, *off_grid], dtype=torch.float64)
-    for like in (values, values.float()):
-        total = ExactSum({"w": like}, max_abs=1.0, max_terms=4)
-        total.add({"w": values})
-        expected = torch.trunc(values * total.scale).to(torch.int64)
-        assert torch.equal(total.buffers()[0], expected)
+    the grid (an fp64 term's rounding must not grow it). At 4 terms the integers reach 2^60,
+    beyond the C kernel's range (torch's passes add them); at the default max_terms, 2^42."""
+    for max_terms in (4, 2**20):
+        step = 1 / ExactSum({"w": torch.zeros(1)}, max_abs=1.0, max_terms=max_terms).scale
+        off_grid = [0.75 * step, -1.5 * step, 2.5 * step, -0.5 * step, 7.999 * step]
+        values = torch.tensor([1 / 3, -step, 0.5 + 2**-40, *off_grid], dtype=torch.float64)
+        for like in (values, values.float()):
+            total = ExactSum({"w": like}, max_abs=1.0, max_terms=max_terms)
+            total.add({"w": values})
+            expected = torch.trunc(values * total.scale).to(torch.int64)
+            assert torch.equal(total.buffers()[0], expected)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     exponent=st.integers(-20, 10),
     on_grid=st.lists(st.floats(-0.25, 0.25), max_size=7),
@@ -270,7 +287,7 @@ def test_exact_sum_keeps_fp64_updates_exact():
     above_half=st.floats(0.0, 0.2),
 )
 def test_an_fp64_term_clipping_leaves_alone_stays_within_c_once_quantized(
-    exponent, on_grid, last_fraction, above_half
+    sum_path, exponent, on_grid, last_fraction, above_half
 ):
     """The released sum's sensitivity is the quantized term's norm. An fp64 update that clipping
     leaves alone, just under C: every element on the sum's grid but the last, which lies more
@@ -290,6 +307,51 @@ def test_an_fp64_term_clipping_leaves_alone_stays_within_c_once_quantized(
     total.add(result.update)
     summed = total.result(torch.float64)["w"]
     assert sum(Fraction(float(v)) ** 2 for v in summed) <= Fraction(clip) ** 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    wide=st.booleans(),
+    log_terms=st.integers(11, 40),
+    values=st.lists(st.floats(-1.0, 1.0, width=32), min_size=1, max_size=40),
+    halves=st.lists(st.integers(-(2**20), 2**20), max_size=12),
+)
+def test_the_c_kernel_gives_the_integers_of_torch_s_passes(wide, log_terms, values, halves):
+    """Wherever the C kernel adds a term (fp32 or fp64, integers up to 2^51: max_terms >= 2^11),
+    its sum is torch's passes' bit for bit: random values, and values half way between grid
+    points (k + 1/2 steps, where round half to even decides; fp64 rounds toward zero), of both
+    signs, over three terms."""
+    if exact_sum_module._kernels is None:
+        pytest.skip("the C kernel is not built here (setup.py found no C compiler)")
+    dtype = torch.float64 if wide else torch.float32
+    scale = ExactSum({"w": torch.zeros(1)}, max_abs=1.0, max_terms=2**log_terms).scale
+    grid = [(k + 0.5) / scale for k in halves]
+    term = torch.tensor(values + grid, dtype=dtype)
+    kernel, passes = (ExactSum({"w": term}, max_abs=1.0, max_terms=2**log_terms) for _ in "12")
+    passes._kernel_adds = False  # torch's passes
+    assert kernel._kernel_kind([term]) == ("d" if wide else "f")
+    for summand in (term, -term, term):
+        kernel.add({"w": summand})
+        passes.add({"w": summand})
+    assert torch.equal(kernel.buffers()[0], passes.buffers()[0])
+
+
+def test_the_c_kernel_takes_only_what_it_adds_exactly():
+    """Where the kernel is built: fp32 or fp64 terms throughout on the CPU at integers within
+    2^51; a bf16 term, a mixed one, or a small max_terms take torch's passes."""
+    if exact_sum_module._kernels is None:
+        pytest.skip("the C kernel is not built here (setup.py found no C compiler)")
+    total = ExactSum(zeros(), max_abs=0.01)
+    assert total._kernel_kind(list(zeros().values())) == "f"
+    assert total._kernel_kind(list(zeros(torch.float64).values())) == "d"
+    assert total._kernel_kind(list(zeros(torch.bfloat16).values())) is None
+    mixed = [torch.zeros(3), torch.zeros(3, dtype=torch.float64)]
+    assert total._kernel_kind(mixed) is None
+    assert ExactSum(zeros(), max_abs=0.01, max_terms=2**10)._kernel_kind(mixed[:1]) is None
+    with pytest.raises(ValueError, match="kind"):
+        exact_sum_module._kernels.add_quantized(0, "h", 0, 0, 1.0)
+    with pytest.raises(ValueError, match="n >= 0"):
+        exact_sum_module._kernels.add_quantized(0, "f", 0, -1, 1.0)
 
 
 def test_scratch_is_narrow_only_on_a_gpu_for_narrow_terms_and_an_fp32_scale():
@@ -327,6 +389,7 @@ def test_a_cpu_sum_block_by_block_holds_each_elements_own_integer(monkeypatch, b
     from pflbench.privacy import aggregate
 
     monkeypatch.setattr(aggregate, "CPU_BLOCK", block)
+    monkeypatch.setattr(aggregate, "_kernels", None)  # torch's passes, not the C kernel's one
     users = clipped_users(5, clip_bound=0.5)
     separate, spans = ExactSum(zeros(), max_abs=0.5), ExactSum(zeros(), max_abs=0.5)
     assert separate._scaled.numel() == min(block, flat(users[0]).numel())
@@ -338,7 +401,7 @@ def test_a_cpu_sum_block_by_block_holds_each_elements_own_integer(monkeypatch, b
     assert torch.equal(spans.buffers()[0], want)
 
 
-def test_an_update_lying_in_one_flat_buffer_sums_exactly_as_separate_tensors():
+def test_an_update_lying_in_one_flat_buffer_sums_exactly_as_separate_tensors(sum_path):
     """Δ as views of one buffer (fl.local_update) is scaled in place of being gathered: the same
     integers. Views that are not back to back take the gather path."""
     from pflbench.privacy.aggregate import _one_span
@@ -363,7 +426,22 @@ def test_an_update_lying_in_one_flat_buffer_sums_exactly_as_separate_tensors():
     assert _one_span(shifted[:-1], like) is None  # short of the sum's size
 
 
-def test_a_restarted_sum_is_a_fresh_one_bit_for_bit():
+def test_strided_tensors_sum_as_their_contiguous_copies(sum_path):
+    """Tensors that are strided views (every other element of a buffer whose other elements are
+    out of range) add as their contiguous copies do: no element is read from beside them."""
+    users = clipped_users(3, clip_bound=0.5)
+    strided, dense = ExactSum(zeros(), max_abs=0.5), ExactSum(zeros(), max_abs=0.5)
+    for user in users:
+        views = {
+            n: torch.stack([t, torch.full_like(t, 7.0)], dim=-1)[..., 0] for n, t in user.items()
+        }
+        assert not any(v.is_contiguous() for v in views.values())
+        strided.add(views, largest=0.5)
+        dense.add(user)
+    assert torch.equal(strided.buffers()[0], dense.buffers()[0])
+
+
+def test_a_restarted_sum_is_a_fresh_one_bit_for_bit(sum_path):
     """A run's steps sum into one ExactSum (restart): after a step that ended through the int64
     buffer or the fp64 one, at another bound (another scale), the sum is a fresh ExactSum's."""
     users = clipped_users(6, clip_bound=0.5)
