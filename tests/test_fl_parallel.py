@@ -14,6 +14,8 @@ from pflbench.fl.distributed import DistContext
 from pflbench.fl.parallel import ParallelClientTrainer
 from pflbench.fl.simulator import Simulator
 from pflbench.model.transformer import build_model
+from pflbench.privacy.aggregate import adds_in_one_pass
+from pflbench.privacy.clipping import kernel_norms_are_torchs
 from pflbench.spec.models import ClientRecipe, Recipe, SpecAugmentRecipe
 
 AUGMENT = SpecAugmentRecipe(freq_masks=1, freq_width=8, time_masks=1, time_width=10)
@@ -118,3 +120,6 @@ def test_bench_fl_reports_the_parallel_speedup():
     # client training is timed inside the central step: a fraction of its wall time is outside
     assert 0 <= figures["outside_client_fraction"] < 1 and figures["local_step_seconds"] > 0
     assert 0 < figures["aggregation_fraction"] <= figures["outside_client_fraction"]
+    # which of the privacy path's C kernels ran it: whichever this checkout built and verified
+    kernels = {"exact_sum": adds_in_one_pass(), "fp64_norms": kernel_norms_are_torchs()}
+    assert figures["cpu_kernels"] == kernels

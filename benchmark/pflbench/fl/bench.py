@@ -5,7 +5,8 @@ LAMB step) on in-memory random utterances, so it needs no corpus, and prints:
 - local-step time and, on CUDA, model-FLOPs utilization (MFU) of client training (bf16);
 - time per central step and the fraction of it spent outside client forward/backward/update
   (copying the global model, deltas, clipping, summing, noise, all-reduce, server step, data);
-- the fraction of it in per-user aggregation alone (the privacy steps and the exact sum);
+- the fraction of it in per-user aggregation alone (the privacy steps and the exact sum), and
+  whether the privacy path's C kernels ran it on a CPU (privacy/_kernels.c);
 - peak memory during a central step at cohort 8 and 64 (it must not grow with the cohort);
 - on CUDA, the GPU-hours the paper's run (S = 1024, 10 local steps, T = 2000) would take at the
   measured time per client, and the A100-hours that is worth at the dense-bf16 peak ratio of the
@@ -37,6 +38,8 @@ from pflbench.model.transformer import (
     model_flops_per_frame,
     training_layers,
 )
+from pflbench.privacy.aggregate import adds_in_one_pass
+from pflbench.privacy.clipping import kernel_norms_are_torchs
 from pflbench.spec.models import Recipe
 
 VOCAB = 30
@@ -220,6 +223,7 @@ def bench_fl(
         "outside_client_fraction": 1.0 - compute / wall,
         # Per-user privacy steps and the exact sum, apart (the target: <= 3%).
         "aggregation_fraction": aggregation / wall,
+        "cpu_kernels": {"exact_sum": adds_in_one_pass(), "fp64_norms": kernel_norms_are_torchs()},
         "parallel_clients": parallel_clients,
         "compile_backend": compile_backend,
         "first_central_step_seconds": first["run"],  # compilation included
