@@ -429,9 +429,9 @@ def test_sweep_file_plans_groups_in_order_without_repeats(tmp_path):
     path.write_text(
         "task: fx-task\n"
         "groups:\n"
-        "  - {baselines: [fedavg], seeds: [0, 1]}\n"
+        "  - {baselines: [fedavg], budgets: [none], seeds: [0, 1]}\n"
         "  - {baselines: [fedavg, global], budgets: [none], seeds: [1]}\n"
-        "  - {baselines: [fedavg], set: [federated.cohort_size=8]}\n"
+        "  - {baselines: [fedavg], budgets: [none], set: [federated.cohort_size=8]}\n"
     )
     plan = plan_sweep_file(load_sweep_file(path), tmp_path / "runs")
     names = [run.run_dir.name for run in plan]
@@ -443,8 +443,18 @@ def test_sweep_file_plans_groups_in_order_without_repeats(tmp_path):
     ]
     assert len(names) == 4 and names[3].startswith("fedavg__none__seed0__")
     assert plan[3].sets == ("federated.cohort_size=8",)
-    path.write_text("task: fx-task\ngroups:\n  - {baselines: [], seeds: [0]}\n")
+    path.write_text("task: fx-task\ngroups:\n  - {baselines: [], budgets: [none]}\n")
     with pytest.raises(UserError, match="not a valid sweep file"):
+        load_sweep_file(path)
+
+
+def test_a_sweep_group_names_its_budgets(tmp_path):
+    """A group without budgets is refused, naming the file and the key: `pflbench run` gives a
+    clipping baseline the task's first budget where none is given, so a declared matrix could
+    mean either that or no DP."""
+    path = tmp_path / "grid.yaml"
+    path.write_text("task: fx-task\ngroups:\n  - {baselines: [global], seeds: [0]}\n")
+    with pytest.raises(UserError, match=r"grid.yaml: not a valid sweep file(.|\n)*budgets"):
         load_sweep_file(path)
 
 

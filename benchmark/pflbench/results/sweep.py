@@ -75,10 +75,9 @@ class SweepGroup(BaseModel):
 
     baselines: list[str] = Field(min_length=1)
     budgets: list[str] = Field(
-        ["none"],
         min_length=1,
-        description="A group without budgets runs without DP (on the command line a baseline's "
-        "default is the budget `pflbench run` gives it).",
+        description="Each run's budget, `none` for no DP. Required: without one `pflbench run` "
+        "gives a clipping baseline the task's first budget, so a file names what it means.",
     )
     seeds: list[int] = Field([0], min_length=1)
     set: list[str] = Field([], description="--set overrides for every run of the group.")
