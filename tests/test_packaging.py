@@ -91,6 +91,36 @@ def test_non_editable_install_finds_specs(wheel, tmp_path):
     assert n_baselines == len(list((ROOT / "baselines").glob("*.yaml")))
 
 
+@pytest.mark.skipif(clipping._kernels is None, reason="no C compiler here: no kernels to build")
+def test_the_kernels_build_with_ieee_arithmetic_whatever_cflags_say(tmp_path):
+    """CFLAGS=-Ofast (fast math) would fold the kernels' rounding away and link a startup file
+    that flushes subnormals to zero in the whole process, torch's numbers included: setup.py
+    drops it for the kernels. Built so, they round ties half to even and torch keeps
+    subnormals."""
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.so")
+    shutil.copytree(ROOT / "benchmark", tmp_path / "benchmark", ignore=ignore)
+    build = [sys.executable, "setup.py", "-q", "build_ext", "--inplace"]
+    env = {**os.environ, "CFLAGS": "-Ofast"}
+    done = subprocess.run(build, cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    code = (
+        "import json, torch; from pflbench.privacy import _kernels;"
+        "ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5]);"
+        "out = torch.zeros(5, dtype=torch.float64);"
+        "_kernels.add_quantized(ties.data_ptr(), 'f', out.data_ptr(), 5, 1.0);"
+        "tiny = torch.tensor([1e-310], dtype=torch.float64) * 1;"
+        "print(json.dumps([_kernels.__file__, out.tolist(), tiny.item()]))"
+    )
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "benchmark")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert done.returncode == 0, done.stderr
+    module, rounded, tiny = json.loads(done.stdout)
+    assert module.startswith(str(tmp_path))
+    assert rounded == [0.0, 2.0, 2.0, 0.0, -2.0] and tiny == 1e-310
+
+
 def _pins() -> dict[str, str]:
     """constraints.txt as {normalized name: pinned version}; every line must be `name==version`."""
     pins = {}

@@ -447,33 +447,62 @@ def test_the_kernel_measures_a_models_update_and_nonfinite_layers_as_torch_does(
     assert got.isnan().tolist().count(True) == 2 and bool(got[10].isinf())
     finite = want.isfinite()
     assert torch.equal(got[finite], want[finite])
+    # torch measures a one-element layer as |x|: a NaN's sign (x86's 0/0 is -NaN) cleared
+    single = [torch.tensor([0.0]) / torch.tensor([0.0]), torch.tensor([-0.5]), torch.zeros(1)]
+    bits = clipping._kernel_layer_norms(single).view(torch.int64)
+    assert torch.equal(bits, torchs_norms(single).view(torch.int64))
 
 
-def _norms_in_order(tensor: torch.Tensor, lanes: int) -> float:
-    """The fp64 norm summed as the kernel sums, with `lanes` lanes (1: element by element)."""
+def _norm_in_order(tensor: torch.Tensor, order: str) -> float:
+    """The fp64 norm summed in 4 lanes as the kernel sums ("kernel": the lanes in order, then
+    the tail one by one), or otherwise: the tail summed apart and then added, added into the
+    lanes, or summed first; the lanes summed pairwise; one element after the other."""
     values = tensor.double().numpy().ravel()
-    body = len(values) - len(values) % lanes
-    total = 0.0
+    body = len(values) - len(values) % 4
+    lanes = [0.0] * 4
     if body:  # (cumsum sums each lane element by element)
-        sums = np.cumsum(values[:body].reshape(-1, lanes) ** 2, axis=0)[-1]
-        total = float(sums[0])
-        for lane_sum in sums[1:]:
-            total += float(lane_sum)
-    for value in values[body:]:
-        total += float(value) ** 2
+        lanes = [float(v) for v in np.cumsum(values[:body].reshape(-1, 4) ** 2, axis=0)[-1]]
+    tail = [float(v) ** 2 for v in values[body:]]
+    if order == "sequential":
+        total = 0.0
+        for value in values:
+            total += float(value) ** 2
+        return math.sqrt(total)
+    if order == "tail into lanes":
+        lanes = [lane + square for lane, square in zip(lanes, (tail + [0.0] * 4)[:4], strict=True)]
+        tail = []
+    total = 0.0
+    if order == "tail first":
+        for square in tail:
+            total += square
+        tail = []
+    if order == "pairwise lanes":
+        total += (lanes[0] + lanes[1]) + (lanes[2] + lanes[3])
+    else:
+        total = (((total + lanes[0]) + lanes[1]) + lanes[2]) + lanes[3]
+    if order == "tail apart":
+        apart = 0.0
+        for square in tail:
+            apart += square
+        return math.sqrt(total + apart)
+    for square in tail:
+        total += square
     return math.sqrt(total)
 
 
 @needs_kernel
 def test_the_order_check_tells_other_orders_apart():
     """The kernel is used only where its norms are torch's on the probes: in the kernel's order
-    (4 lanes) the probes' norms are torch's, and in any other (element by element, 2, 8 or 16
-    lanes, numpy's pairwise sum) some differ, so a torch that sums otherwise fails the check."""
+    the probes' norms are torch's, and in each other (the tail summed apart, into the lanes or
+    first; the lanes pairwise; element by element; numpy's pairwise sum) several differ, so a
+    torch that sums otherwise fails the check."""
     probes = clipping.order_probes()
     torchs = torchs_norms(probes).tolist()
-    assert [_norms_in_order(p, 4) for p in probes] == torchs
-    for lanes in (1, 2, 8, 16):
-        assert [_norms_in_order(p, lanes) for p in probes] != torchs
+    assert [_norm_in_order(p, "kernel") for p in probes] == torchs
+    others = ["tail apart", "tail into lanes", "tail first", "pairwise lanes", "sequential"]
+    for order in others:
+        differing = sum(_norm_in_order(p, order) != t for p, t in zip(probes, torchs, strict=True))
+        assert differing >= 3, order
     pairwise = [math.sqrt(float(np.sum(p.double().numpy() ** 2))) for p in probes]
     assert pairwise != torchs
     if platform.machine() in ("x86_64", "AMD64"):  # ATen sums this way on x86-64 (2.13)

@@ -179,6 +179,9 @@ def test_exact_sum_rejects_what_could_overflow_or_is_broken(sum_path):
         acc.add({"w": torch.tensor([0.0, float("nan"), 0.0])})
     with pytest.raises(ValueError, match="keys"):
         acc.add({"v": torch.zeros(3)})
+    for size in (2, 4, 200_000):  # the C kernel writes where the sizes say: never past the sum
+        with pytest.raises(ValueError, match="sizes differ"):
+            acc.add({"w": torch.zeros(size)}, largest=0.0)
     acc.add({"w": torch.ones(3)})
     acc.add({"w": -torch.ones(3)})
     with pytest.raises(ValueError, match="max_terms"):
@@ -426,9 +429,10 @@ def test_an_update_lying_in_one_flat_buffer_sums_exactly_as_separate_tensors(sum
     assert _one_span(shifted[:-1], like) is None  # short of the sum's size
 
 
-def test_strided_tensors_sum_as_their_contiguous_copies(sum_path):
+def test_strided_and_negated_views_sum_as_their_copies(sum_path):
     """Tensors that are strided views (every other element of a buffer whose other elements are
-    out of range) add as their contiguous copies do: no element is read from beside them."""
+    out of range) add as their contiguous copies do: no element is read from beside them; so do
+    negated views (torch's lazy negation) and a term holding an empty tensor."""
     users = clipped_users(3, clip_bound=0.5)
     strided, dense = ExactSum(zeros(), max_abs=0.5), ExactSum(zeros(), max_abs=0.5)
     for user in users:
@@ -439,6 +443,17 @@ def test_strided_tensors_sum_as_their_contiguous_copies(sum_path):
         strided.add(views, largest=0.5)
         dense.add(user)
     assert torch.equal(strided.buffers()[0], dense.buffers()[0])
+    negated, copied = ExactSum(zeros(), max_abs=0.5), ExactSum(zeros(), max_abs=0.5)
+    for user in users:
+        views = {n: torch._neg_view(t) for n, t in user.items()}
+        assert all(v.is_neg() for v in views.values())
+        negated.add(views, largest=0.5)
+        copied.add({n: -t for n, t in user.items()})
+    assert torch.equal(negated.buffers()[0], copied.buffers()[0])
+    empty = {"w": torch.zeros(0), "b": torch.tensor([0.25, -0.5])}
+    total = ExactSum(empty, max_abs=0.5)
+    total.add(empty)  # no bound given: measured, the empty tensor included
+    assert total.result(torch.float64)["b"].tolist() == [0.25, -0.5]
 
 
 def test_a_restarted_sum_is_a_fresh_one_bit_for_bit(sum_path):

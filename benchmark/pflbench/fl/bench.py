@@ -6,7 +6,7 @@ LAMB step) on in-memory random utterances, so it needs no corpus, and prints:
 - time per central step and the fraction of it spent outside client forward/backward/update
   (copying the global model, deltas, clipping, summing, noise, all-reduce, server step, data);
 - the fraction of it in per-user aggregation alone (the privacy steps and the exact sum), and
-  whether the privacy path's C kernels ran it on a CPU (privacy/_kernels.c);
+  on a CPU whether the privacy path's C kernels ran it (privacy/_kernels.c);
 - peak memory during a central step at cohort 8 and 64 (it must not grow with the cohort);
 - on CUDA, the GPU-hours the paper's run (S = 1024, 10 local steps, T = 2000) would take at the
   measured time per client, and the A100-hours that is worth at the dense-bf16 peak ratio of the
@@ -210,6 +210,9 @@ def bench_fl(
     local_step = {name: totals[name][1] / max(1, local_steps_taken[name]) for name in sims}
     sim, (wall, compute, aggregation) = sims["run"], totals["run"]
     local_step_seconds = local_step["run"]
+    # Which of the privacy path's C kernels ran the fp32 updates (on CUDA none: torch's code).
+    kernels = {"exact_sum": adds_in_one_pass(), "fp64_norms": kernel_norms_are_torchs()}
+    cpu_kernels = None if cuda else kernels
     figures: dict = {
         "preset": preset,
         "parameters": count_parameters(sim.model),
@@ -223,7 +226,7 @@ def bench_fl(
         "outside_client_fraction": 1.0 - compute / wall,
         # Per-user privacy steps and the exact sum, apart (the target: <= 3%).
         "aggregation_fraction": aggregation / wall,
-        "cpu_kernels": {"exact_sum": adds_in_one_pass(), "fp64_norms": kernel_norms_are_torchs()},
+        "cpu_kernels": cpu_kernels,
         "parallel_clients": parallel_clients,
         "compile_backend": compile_backend,
         "first_central_step_seconds": first["run"],  # compilation included

@@ -23,8 +23,11 @@
  * no such single order: their tails of 4 to 7 elements are summed otherwise, with fused
  * multiply-adds where the CPU has them, so the kernel does not stand in for them.)
  *
- * Both need double arithmetic evaluated in double precision (not x87's extended one), and setup.py
- * compiles with -ffp-contract=off: no fused multiply-add where the C has two roundings. */
+ * Both need double arithmetic evaluated in double precision (not x87's extended one) and IEEE
+ * semantics: setup.py compiles with -ffp-contract=off (no fused multiply-add where the C has two
+ * roundings) and -fno-fast-math, and a build with fast math anyway (CFLAGS=-Ofast) fails, so the
+ * optional build falls back to torch (fast math would fold the rounding away, and link a startup
+ * file that flushes subnormals to zero in the whole process). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <float.h>
@@ -34,15 +37,18 @@
 #if !defined(FLT_EVAL_METHOD) || FLT_EVAL_METHOD != 0
 #error "the kernels need double arithmetic evaluated in double precision"
 #endif
+#if defined(__FAST_MATH__) || defined(__FINITE_MATH_ONLY__) && __FINITE_MATH_ONLY__
+#error "the kernels need IEEE arithmetic: no fast math"
+#endif
 
 static const double MAGIC = 6755399441055744.0; /* 1.5·2^52 */
 
-static void add_fp32(const float *restrict x, double *restrict partial, Py_ssize_t n,
+static void add_fp32(const float *x, double *partial, Py_ssize_t n,
                      double scale) {
     for (Py_ssize_t i = 0; i < n; i++) partial[i] += ((double)x[i] * scale + MAGIC) - MAGIC;
 }
 
-static void add_fp64(const double *restrict x, double *restrict partial, Py_ssize_t n,
+static void add_fp64(const double *x, double *partial, Py_ssize_t n,
                      double scale) {
     for (Py_ssize_t i = 0; i < n; i++) {
         double y = x[i] * scale;
@@ -52,6 +58,7 @@ static void add_fp64(const double *restrict x, double *restrict partial, Py_ssiz
 }
 
 static double norm_in_fp64(const float *x, Py_ssize_t n) {
+    if (n == 1) return fabs((double)x[0]); /* ATen's |x| of one element: a NaN's sign cleared */
     double lane[4] = {0.0, 0.0, 0.0, 0.0};
     Py_ssize_t i = 0, body = n - n % 4;
     for (; i < body; i += 4)

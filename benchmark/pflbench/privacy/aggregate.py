@@ -114,10 +114,14 @@ class ExactSum:
         if self.terms >= self.max_terms:
             raise ValueError(f"ExactSum already holds max_terms={self.max_terms} terms")
         tensors = list(update.values())
+        if [t.numel() for t in tensors] != self._sizes:  # (the C kernel writes where they say)
+            raise ValueError("update sizes differ from the ExactSum's")
         if self._scaled.dtype != torch.float64 and any(t.dtype == torch.float64 for t in tensors):
             raise ValueError("an fp64 update needs an ExactSum made like fp64 tensors")
         if largest is None or not largest <= self.max_abs:
-            largest = float(torch.stack(torch._foreach_norm(tensors, float("inf"))).max())
+            measured = [t for t in tensors if t.numel()]  # (an empty tensor has no inf-norm)
+            norms = torch._foreach_norm(measured, float("inf")) if measured else []
+            largest = float(torch.stack(norms).max()) if norms else 0.0  # (a NaN stays NaN)
             if not largest <= self.max_abs:  # also catches NaN
                 raise ValueError(
                     f"an element of magnitude {largest} exceeds max_abs={self.max_abs}"
@@ -158,7 +162,7 @@ class ExactSum:
         even and fp64 toward zero, as `add` does."""
         address = self._partial.data_ptr()
         for piece in pieces:
-            piece = piece.contiguous()  # (a strided view is copied)
+            piece = piece.resolve_neg().contiguous()  # (a negated or strided view is copied)
             _kernels.add_quantized(piece.data_ptr(), kind, address, piece.numel(), self.scale)
             address += piece.numel() * self._partial.element_size()
 

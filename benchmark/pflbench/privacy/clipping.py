@@ -128,13 +128,14 @@ def kernel_norms_are_torchs() -> bool:
 
 
 def order_probes() -> list[Tensor]:
-    """fp32 tensors of 1 to 65,539 elements (every remainder modulo the kernel's 4 lanes), whose
-    magnitudes spread over 2^±16 (2^±32 squared), so that summing their squares in another order
-    changes their fp64 norms' last bits."""
+    """fp32 tensors whose fp64 norms' last bits change when their squares are summed in another
+    order: magnitudes spread over 2^±16 (2^±32 squared), three of each length 1 to 39 (every
+    remainder modulo the kernel's 4 lanes, tails as large as the rest: orders that treat the tail
+    otherwise differ on some) and four longer ones, up to 65,539 elements."""
     generator = torch.Generator().manual_seed(0)
     return [
         torch.randn(n, generator=generator) * torch.randn(n, generator=generator).mul(8).exp2()
-        for n in (1, 2, 3, 4, 1001, 1002, 4099, 65539)
+        for n in [*range(1, 40), *range(1, 40), *range(1, 40), 1001, 1002, 4099, 65539]
     ]
 
 
