@@ -29,7 +29,7 @@ from pflbench.results.plots import PlotReport, plot_results, plot_run
 from pflbench.results.schema import ResultRecord, load_record, record_numerics_version
 from pflbench.results.submit import what_ran
 from pflbench.spec.names import safe_name
-from pflbench.spec.registry import Registry
+from pflbench.spec.registry import Registry, format_validation_error
 from pflbench.spec.resolve import canonical_json, resolve, set_values
 
 
@@ -98,8 +98,11 @@ def load_sweep_file(path: Path) -> SweepFile:
         return SweepFile.model_validate(yaml.safe_load(Path(path).read_text()))
     except OSError as exc:
         raise UserError(f"{path}: cannot read the sweep file ({exc.strerror})") from None
-    except (yaml.YAMLError, ValidationError) as exc:
+    except yaml.YAMLError as exc:
         raise UserError(f"{path}: not a valid sweep file:\n{exc}") from None
+    except ValidationError as exc:  # each key and what is wrong with it, as for spec files
+        text = format_validation_error(str(path), exc)
+        raise UserError(text.replace("invalid spec", "not a valid sweep file:")) from None
 
 
 def load_sweep_folder(folder: Path) -> list[tuple[Path, SweepFile]]:
