@@ -454,7 +454,9 @@ def test_a_sweep_group_names_its_budgets(tmp_path):
     mean either that or no DP."""
     path = tmp_path / "grid.yaml"
     path.write_text("task: fx-task\ngroups:\n  - {baselines: [global], seeds: [0]}\n")
-    with pytest.raises(UserError, match=r"grid.yaml: not a valid sweep file(.|\n)*budgets"):
+    with pytest.raises(
+        UserError, match=r"grid.yaml: not a valid sweep file:\n  groups.0.budgets: required"
+    ):
         load_sweep_file(path)
 
 
