@@ -151,7 +151,7 @@ class ExactSum:
 
     def _kernel_kind(self, tensors: list[Tensor]) -> str | None:
         """The C kernel's name for the term's dtype where the kernel can add it (fp32 or fp64
-        throughout, in this sum's memory), else None."""
+        throughout, on this sum's device), else None."""
         if not self._kernel_adds:
             return None
         kinds = {KERNEL_KINDS.get(t.dtype) if t.device == self._device else None for t in tensors}
