@@ -43,13 +43,11 @@
 
 static const double MAGIC = 6755399441055744.0; /* 1.5·2^52 */
 
-static void add_fp32(const float *x, double *partial, Py_ssize_t n,
-                     double scale) {
+static void add_fp32(const float *x, double *partial, Py_ssize_t n, double scale) {
     for (Py_ssize_t i = 0; i < n; i++) partial[i] += ((double)x[i] * scale + MAGIC) - MAGIC;
 }
 
-static void add_fp64(const double *x, double *partial, Py_ssize_t n,
-                     double scale) {
+static void add_fp64(const double *x, double *partial, Py_ssize_t n, double scale) {
     for (Py_ssize_t i = 0; i < n; i++) {
         double y = x[i] * scale;
         double r = (y + MAGIC) - MAGIC;
@@ -102,8 +100,9 @@ static PyObject *layer_norms(PyObject *self, PyObject *args) {
             PyErr_SetString(PyExc_ValueError, "need as many sizes as addresses");
         return NULL;
     }
-    const float **tensors = PyMem_Malloc((count + 1) * sizeof *tensors);
-    Py_ssize_t *numels = PyMem_Malloc((count + 1) * sizeof *numels);
+    if (count == 0) Py_RETURN_NONE;
+    const float **tensors = PyMem_Malloc(count * sizeof *tensors);
+    Py_ssize_t *numels = PyMem_Malloc(count * sizeof *numels);
     if (tensors == NULL || numels == NULL) {
         PyMem_Free(tensors);
         PyMem_Free(numels);
