@@ -279,6 +279,68 @@ def test_nonfinite_update_is_zeroed_and_counted():
     torch.testing.assert_close(grads[0], torch.full((3,), 0.05))
 
 
+@pytest.mark.parametrize(
+    "privacy",
+    [
+        {"clipping": "global", "clip_bound": 0.7},
+        {"clipping": "perlayer", "clip_bound": 0.7, "perlayer_mode": "dim"},
+        {"clipping": "perlayer", "clip_bound": 0.7, "perlayer_rule": "normalize"},
+        {"clipping": "global", "clip_bound": 0.7, "noise_placement": "client"},
+        {"clipping": "none"},
+    ],
+)
+def test_clipping_s_multiply_in_the_sum_changes_no_bit(privacy):
+    """The aggregator leaves clipping's multiply to the exact sum's pass (where clipping is the
+    last per-user step): the same pseudo-gradient and stats, bit for bit, as clipping in place,
+    over updates lying in one flat buffer (fl.local_update's Δ), clipped and not."""
+    generator = torch.Generator().manual_seed(3)
+    sizes = {"a": (40, 3), "b": (7,), "c": (11,)}
+    updates = [torch.randn(138, generator=generator) * scale for scale in (0.05, 0.3, 2.0, 0.1)]
+    sums = []
+    for in_sum in (True, False):
+        mechanism = make_mechanism(privacy, users=4, sigma_dp=0.3)
+        like = {n: torch.zeros(s) for n, s in sizes.items()}
+        agg = StepAggregator(like, mechanism, 5, update_bound=10.0)
+        assert agg.scale_in_sum
+        agg.scale_in_sum = in_sum
+        for index, flat in enumerate(updates):
+            pieces = flat.clone().split([math.prod(s) for s in sizes.values()])
+            update = {n: p.view(sizes[n]) for n, p in zip(sizes, pieces, strict=True)}
+            agg.add(update, f"u{index}", 1.0, 2, 10)
+        sums.append(agg.finish())
+    (fused, fused_stats), (in_place, in_place_stats) = sums
+    assert all(torch.equal(a, b) for a, b in zip(fused, in_place, strict=True))
+    assert fused_stats == in_place_stats
+
+
+def test_only_the_gaussian_mechanism_s_own_steps_leave_the_multiply_to_the_sum():
+    """A mechanism overriding constrain_sensitivity (which may read or change the clipped update)
+    clips in place; so does one whose updates pflbench measures (an unshipped class under DP)."""
+    from pflbench.privacy.mechanisms import PRIVACY_MECHANISMS, PrivacyMechanism, scales_in_sum
+
+    class Logging(PrivacyMechanism):
+        def constrain_sensitivity(self, update, user, step):
+            return super().constrain_sensitivity(update, user, step)
+
+    class Quiet(PrivacyMechanism):
+        def add_noise(self, average, step):
+            super().add_noise(average, step)
+
+    PRIVACY_MECHANISMS.register("logging-here", Logging)
+    PRIVACY_MECHANISMS.register("quiet-here", Quiet)
+    privacy = {"clip_bound": 0.5, "clipping": "global"}
+    for sigma_dp in (0.0, 0.5):
+        shipped = make_mechanism({**privacy, "mechanism": "gaussian"}, 4, sigma_dp=sigma_dp)
+        logging = make_mechanism({**privacy, "mechanism": "logging-here"}, 4, sigma_dp=sigma_dp)
+        quiet = make_mechanism({**privacy, "mechanism": "quiet-here"}, 4, sigma_dp=sigma_dp)
+        assert scales_in_sum(shipped) and not scales_in_sum(logging)
+        assert scales_in_sum(quiet) == (sigma_dp == 0)  # measured under DP: in place
+        update = {"w": torch.full((4,), 1.0)}
+        agg = StepAggregator({"w": torch.zeros(4)}, logging, 0, update_bound=10.0)
+        agg.add(update, "u0", 1.0, 1, 1)
+        assert float(update["w"].norm()) <= 0.5  # clipped in place, as its override saw it
+
+
 # Every placement/sampling combination a recipe allows; client noise with Poisson is refused.
 ALLOWED = [("server", "poisson"), ("server", "fixed"), ("client", "fixed")]
 K, S, C, SIGMA, WIDTH, STEPS = 40, 8, 0.5, 0.1, 400, 60

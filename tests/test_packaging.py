@@ -109,7 +109,7 @@ def test_the_kernels_build_with_ieee_arithmetic_whatever_cflags_say(tmp_path):
         "import json, torch; from pflbench.privacy import _kernels;"
         "ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5]);"
         "out = torch.zeros(5, dtype=torch.float64);"
-        "_kernels.add_quantized(ties.data_ptr(), 'f', out.data_ptr(), 5, 1.0);"
+        "_kernels.add_quantized(ties.data_ptr(), 'f', out.data_ptr(), 5, 1.0, 1.0);"
         "tiny = torch.tensor([1e-310], dtype=torch.float64) * 1;"
         "print(json.dumps([_kernels.__file__, out.tolist(), tiny.item()]))"
     )

@@ -323,7 +323,7 @@ def test_the_c_kernel_gives_the_integers_of_torch_s_passes(wide, log_terms, valu
     """Wherever the C kernel adds a term (fp32 or fp64, integers up to 2^51: max_terms >= 2^11),
     its sum is torch's passes' bit for bit: random values, and values half way between grid
     points (k + 1/2 steps, where round half to even decides; fp64 rounds toward zero), of both
-    signs, over three terms."""
+    signs, over three terms (two of them in one pass)."""
     if exact_sum_module._kernels is None:
         pytest.skip("the C kernel is not built here (setup.py found no C compiler)")
     dtype = torch.float64 if wide else torch.float32
@@ -333,8 +333,8 @@ def test_the_c_kernel_gives_the_integers_of_torch_s_passes(wide, log_terms, valu
     kernel, passes = (ExactSum({"w": term}, max_abs=1.0, max_terms=2**log_terms) for _ in "12")
     passes._kernel_adds = False  # torch's passes
     assert kernel._kernel_kind([term]) == ("d" if wide else "f")
-    for summand in (term, -term, term):
-        kernel.add({"w": summand})
+    for summand in (term, -term, term):  # the kernel's first two terms in one pass
+        kernel.add({"w": summand}, held=True)
         passes.add({"w": summand})
     assert torch.equal(kernel.buffers()[0], passes.buffers()[0])
 
@@ -352,9 +352,9 @@ def test_the_c_kernel_takes_only_what_it_adds_exactly():
     assert total._kernel_kind(mixed) is None
     assert ExactSum(zeros(), max_abs=0.01, max_terms=2**10)._kernel_kind(mixed[:1]) is None
     with pytest.raises(ValueError, match="kind"):
-        exact_sum_module._kernels.add_quantized(0, "h", 0, 0, 1.0)
+        exact_sum_module._kernels.add_quantized(0, "h", 0, 0, 1.0, 1.0)
     with pytest.raises(ValueError, match="n >= 0"):
-        exact_sum_module._kernels.add_quantized(0, "f", 0, -1, 1.0)
+        exact_sum_module._kernels.add_quantized(0, "f", 0, -1, 1.0, 1.0)
 
 
 def test_scratch_is_narrow_only_on_a_gpu_for_narrow_terms_and_an_fp32_scale():
@@ -478,3 +478,110 @@ def test_a_restarted_sum_is_a_fresh_one_bit_for_bit(sum_path):
         assert all(torch.equal(got[n], want[n]) for n in want)
     with pytest.raises(ValueError, match="max_abs"):
         reused.restart(float("nan"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize(
+    "clipping, mode, rule",
+    [("global", "dim", "clip"), ("perlayer", "dim", "clip"), ("perlayer", "uniform", "normalize")],
+)
+def test_clipping_s_multiply_left_to_the_sum_gives_the_clipped_update_s_integers(
+    sum_path, dtype, clipping, mode, rule
+):
+    """clip_update(scale=False) leaves its plain multiplies to ExactSum.add's `factors`: the sum
+    is the in-place clipped update's bit for bit, over one flat buffer (one kernel call at one
+    factor for global clipping) or separate tensors, with the bound proven or measured (the
+    products are then taken first and measured), and a layer scaled toward zero (a bound in fp32's
+    subnormal range) taken by clipping itself."""
+    generator = torch.Generator().manual_seed(7)
+    raw = [
+        {n: (torch.randn(s, generator=generator) * 0.3).to(dtype) for n, s in SHAPES.items()}
+        for _ in range(4)
+    ]
+    like = {n: t.clone() for n, t in raw[0].items()}
+    for bound in (0.5, 1e-37) if dtype == torch.float32 else (0.5,):
+        clip = dict(perlayer_mode=mode, perlayer_rule=rule, in_place=True)
+        scaled, left = ExactSum(like, max_abs=bound), ExactSum(like, max_abs=bound)
+        for index, update in enumerate(raw):
+            update = {n: t * (bound / 0.5) for n, t in update.items()}
+            done = clip_update({n: t.clone() for n, t in update.items()}, clipping, bound, **clip)
+            pending = one_buffer(update) if index % 2 else update
+            result = clip_update(pending, clipping, bound, scale=False, **clip)
+            assert result.pending is not None
+            assert torch.equal(result.factors, done.factors)
+            largest = float((done.norms * done.factors).max()) * (1 + 2**-20)
+            scaled.add(done.update, largest=largest)
+            proven = largest if index < 2 else None
+            left.add(result.update, largest=proven, factors=result.pending)
+        assert torch.equal(flat(scaled.result(torch.float64)), flat(left.result(torch.float64)))
+        if bound < 1e-30 and clipping == "global":  # fp32's subnormal range: every layer
+            assert bool((result.pending == 1).all())  # scaled toward zero by clipping
+            assert bool((result.factors < 1).all())
+    with pytest.raises(ValueError, match="one factor per tensor"):
+        two = torch.ones(2, dtype=torch.float64)
+        ExactSum(like, max_abs=1.0).add(like, largest=1.0, factors=two)
+    with pytest.raises(ValueError, match="in_place"):
+        clip_update(like, "global", 1.0, scale=False)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    wide=st.booleans(),
+    values=st.lists(st.floats(-1.0, 1.0, width=32), min_size=1, max_size=40),
+    factor=st.floats(2.0**-30, 1.0),
+)
+def test_the_c_kernel_multiplies_as_torch_does_before_it_quantizes(wide, values, factor):
+    """The kernel's product with a factor (rounded to fp32 for an fp32 term) is torch's in-place
+    multiply's, bit for bit, then quantized as the term's own values are."""
+    if exact_sum_module._kernels is None:
+        pytest.skip("the C kernel is not built here (setup.py found no C compiler)")
+    dtype = torch.float64 if wide else torch.float32
+    term = torch.tensor(values, dtype=dtype)
+    kernel, passes = (ExactSum({"w": term}, max_abs=1.0) for _ in "12")
+    passes._kernel_adds = False
+    factors = torch.tensor([factor], dtype=torch.float64)
+    for summand in (term, -term):
+        kernel.add({"w": summand.clone()}, largest=1.0, factors=factors)
+        passes.add({"w": summand.clone()}, largest=1.0, factors=factors)
+    assert torch.equal(kernel.buffers()[0], passes.buffers()[0])
+
+
+@pytest.mark.parametrize("wide", [False, True])
+def test_held_terms_sum_in_pairs_to_the_same_integers(sum_path, wide):
+    """Terms added `held` share the C kernel's pass with the next term (fp32, fp64; span beside
+    separate tensors; with clipping factors); a held term is added alone before a term of another
+    kind, and before buffers() and result(); the sum is the unheld sum's bit for bit. A held
+    term's buffer written again before the next add is refused, not summed."""
+    dtype = torch.float64 if wide else torch.float32
+    generator = torch.Generator().manual_seed(11)
+    terms = [
+        {n: (torch.randn(s, generator=generator) * 0.1).to(dtype) for n, s in SHAPES.items()}
+        for _ in range(7)
+    ]
+    factors = torch.tensor([0.5, 1.0, 0.25, 0.75], dtype=torch.float64)
+    like = {n: t.clone() for n, t in terms[0].items()}
+    plain, paired = ExactSum(like, max_abs=0.5), ExactSum(like, max_abs=0.5)
+    narrow = {n: t.to(torch.bfloat16) for n, t in terms[0].items()}
+    for index, term in enumerate(terms):
+        views = one_buffer(term) if index % 3 else {n: t.clone() for n, t in term.items()}
+        scaled = factors if index % 2 else None
+        for total, held in ((plain, False), (paired, True)):
+            copy = {n: t.clone() for n, t in views.items()}
+            total.add(views if held else copy, largest=0.5, factors=scaled, held=held)
+        if index == 4 and not wide:  # a bf16 term: torch's passes, the held one alone first
+            plain.add({n: t.clone() for n, t in narrow.items()})
+            paired.add({n: t.clone() for n, t in narrow.items()}, held=True)
+    # fp64: the seventh term held until buffers(); fp32: the bf16 term took the fifth alone
+    assert (paired._held is not None) == (wide and sum_path == "kernel")
+    assert torch.equal(plain.buffers()[0], paired.buffers()[0])
+    assert paired._held is None
+    alone, unheld = ExactSum(like, max_abs=0.5), ExactSum(like, max_abs=0.5)
+    alone.add(terms[0], largest=0.5, held=True)
+    unheld.add(terms[0], largest=0.5)
+    assert torch.equal(flat(alone.result(torch.float64)), flat(unheld.result(torch.float64)))
+    if sum_path == "kernel":
+        reused = ExactSum(like, max_abs=0.5)
+        buffer = one_buffer(terms[1])
+        reused.add(buffer, largest=0.5, held=True)
+        with pytest.raises(ValueError, match="held term's buffer was written"):
+            reused.add(buffer, largest=0.5, held=True)

@@ -23,6 +23,7 @@ from pflbench.privacy.mechanisms import (
     PrivacyMechanism,
     check_within_clip_bound,
     checks_plugin_bound,
+    scales_in_sum,
 )
 
 # The stats tensor: HEAD per-step counters (clients, non-finite, clipped, loss sum, local steps,
@@ -49,6 +50,7 @@ class StepAggregator:
         self.mechanism, self.step = mechanism, step
         self.bound = mechanism.clip_bound  # C_t
         self.check_bound = checks_plugin_bound(mechanism)  # a plug-in's, under DP
+        self.scale_in_sum = scales_in_sum(mechanism)  # clipping's multiply in the sum's pass
         max_abs = mechanism.largest_element(update_bound)
         if workspace is None:
             self.sum = ExactSum(like, max_abs=max_abs)
@@ -66,7 +68,8 @@ class StepAggregator:
     def add(
         self, update: dict[str, torch.Tensor], user: str, loss: float, steps: int, frames: int
     ) -> None:
-        """Fold one client's Δ in (the update's buffers are modified in place)."""
+        """Fold one client's Δ in (the update's buffers are modified in place, and may be left
+        unclipped: clipping's multiply can be the sum's, ExactSum.add)."""
         facts = self._fold(update, user)
         norms = facts["norms"].double().cpu()
         nonfinite = facts["nonfinite"]
@@ -92,10 +95,13 @@ class StepAggregator:
         """Constrain the update's sensitivity and add the result to the exact sum; returns what
         the mechanism saw of it (privacy/steps.py)."""
         started = time.perf_counter()
-        facts = self.mechanism.constrain_sensitivity(update, user, self.step)
+        if self.scale_in_sum:
+            facts = self.mechanism.constrain_sensitivity(update, user, self.step, scale_in_sum=True)
+        else:
+            facts = self.mechanism.constrain_sensitivity(update, user, self.step)
         if self.check_bound:  # measured by pflbench, not as the plug-in reports it
             facts["largest"] = check_within_clip_bound(self.mechanism, update, user, self.step)
-        self.sum.add(update, largest=facts.get("largest"))
+        self.sum.add(update, largest=facts.get("largest"), factors=facts.get("pending"))
         self.seconds += time.perf_counter() - started
         return facts
 

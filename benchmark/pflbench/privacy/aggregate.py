@@ -15,7 +15,9 @@ at all: its partial sum is the sum.
 On a CPU an fp32 or fp64 term is quantized and added in one pass by a small C kernel
 (_kernels.c, built by setup.py where a C compiler is found): one read of the term and one read
 and write of the partial sum, the integers torch's passes give (a 4.89M-element fp32 term on the
-2-core AMD EPYC: 2.8 ms against 4.4 for the passes below). Without it, and for bf16/fp16 terms, a
+2-core AMD EPYC: 2.8 ms against 4.4 for the passes below). The same pass multiplies a clipped
+term by its clipping factors (`add`'s `factors`), which spares clipping its own read and write
+of the update (~0.9 ms of that term). Without it, and for bf16/fp16 terms, a
 term is quantized and added block by block, each block small enough that its passes (widen,
 scale, round, add) run in cache: elementwise, so the integers are the same, in ~40% less time than
 whole-term passes where the model's fp64 buffers exceed the cache (5.8 → 3.7 ms on one thread). A
@@ -33,6 +35,7 @@ try:  # the one-pass CPU kernel (module docstring); without it, torch's passes
     from pflbench.privacy import _kernels
 except ImportError:
     _kernels = None
+from pflbench.privacy.clipping import apply_factors
 
 # Sums stay below 2^62 in magnitude, one bit of headroom under int64's 2^63.
 INT_BUDGET_BITS = 62
@@ -99,15 +102,27 @@ class ExactSum:
         )
         self._partial.zero_()
         self._partial_terms = 0
+        self._held: tuple[str, list[tuple[Tensor, float]]] | None = None  # (add's `held`)
         dtype = scratch_dtype(self._dtypes, self._device, self.scale)
         if self._scaled is None or self._scaled.dtype != dtype:
             size = self._block or self._partial.numel()
             self._scaled = torch.empty(size, dtype=dtype, device=self._device)
 
-    def add(self, update: dict[str, Tensor], largest: float | None = None) -> None:
+    def add(
+        self,
+        update: dict[str, Tensor],
+        largest: float | None = None,
+        factors: Tensor | None = None,
+        held: bool = False,
+    ) -> None:
         """Add one term. `largest`: a proven bound on its elements (the privacy steps derive one
         from the norms they measured); within max_abs it spares the range pass, otherwise (or
-        when None) every element is checked."""
+        when None) every element is checked. `factors` (fp64 [H], clip_update's `pending`): the
+        term is each tensor times its factor, the products `clipping.apply_factors` takes; taken
+        in the C kernel's pass where it adds the term, else by apply_factors in place first
+        (`largest` bounds the products). `held`: the caller keeps the term's tensors unchanged
+        until the next add (or `buffers`, `result`), so the C kernel may add it in one pass with
+        the next term (module docstring); it is checked and counted now all the same."""
         self._check_open()
         if list(update) != self._names:
             raise ValueError("update keys differ from the ExactSum's keys (or their order)")
@@ -118,7 +133,15 @@ class ExactSum:
             raise ValueError("update sizes differ from the ExactSum's")
         if self._scaled.dtype != torch.float64 and any(t.dtype == torch.float64 for t in tensors):
             raise ValueError("an fp64 update needs an ExactSum made like fp64 tensors")
-        if largest is None or not largest <= self.max_abs:
+        if factors is not None and factors.shape != (len(tensors),):
+            raise ValueError(f"need one factor per tensor, got factors of shape {factors.shape}")
+        span = _one_span(tensors, self._partial)
+        kind = self._kernel_kind(tensors)
+        proven = largest is not None and largest <= self.max_abs
+        if factors is not None and not (kind is not None and proven):
+            apply_factors(tensors, factors)  # (a range pass below measures the products)
+            factors = None
+        if not proven:
             measured = [t for t in tensors if t.numel()]  # (an empty tensor has no inf-norm)
             norms = torch._foreach_norm(measured, float("inf")) if measured else []
             largest = float(torch.stack(norms).max()) if norms else 0.0  # (a NaN stays NaN)
@@ -126,8 +149,6 @@ class ExactSum:
                 raise ValueError(
                     f"an element of magnitude {largest} exceeds max_abs={self.max_abs}"
                 )
-        if self._partial_terms == self.terms_per_partial:
-            self._flush()
         # The released sum's sensitivity is the quantized term's norm, so rounding must not lift
         # a clipped term past C. fp32/bf16/fp16 terms round half to even: only their elements
         # below ~C·2^-18 are off the grid (whose step is ~C·2^-42), so rounding grows the norm
@@ -136,18 +157,23 @@ class ExactSum:
         # toward zero.
         wide = any(t.dtype == torch.float64 for t in tensors)
         to_integer = Tensor.trunc_ if wide else Tensor.round_
-        span = _one_span(tensors, self._partial)
-        if self._block is None:
-            self._add_whole(tensors, span, to_integer)
-        else:  # a span, or each tensor (no gather)
-            pieces = [span] if span is not None else [t.reshape(-1) for t in tensors]
-            kind = self._kernel_kind(tensors)
-            if kind is not None:
-                self._add_by_kernel(pieces, kind)
-            else:
+        if kind is not None:
+            self._add_by_kernel(kind, self._kernel_term(tensors, span, factors), held)
+        else:
+            self._add_held()
+            self._make_room(1)
+            if self._block is None:
+                self._add_whole(tensors, span, to_integer)
+            else:  # a span, or each tensor (no gather)
+                pieces = [span] if span is not None else [t.reshape(-1) for t in tensors]
                 self._add_blocks(pieces, to_integer)
-        self._partial_terms += 1
+            self._partial_terms += 1
         self.terms += 1
+
+    def _make_room(self, count: int) -> None:
+        """Flush the partial sum where `count` more terms could take it past 2^53."""
+        if self._partial_terms + count > self.terms_per_partial:
+            self._flush()
 
     def _kernel_kind(self, tensors: list[Tensor]) -> str | None:
         """The C kernel's name for the term's dtype where the kernel can add it (fp32 or fp64
@@ -157,14 +183,68 @@ class ExactSum:
         kinds = {KERNEL_KINDS.get(t.dtype) if t.device == self._device else None for t in tensors}
         return kinds.pop() if len(kinds) == 1 else None
 
-    def _add_by_kernel(self, pieces: list[Tensor], kind: str) -> None:
-        """One pass over each piece, by the C kernel (module docstring): it rounds fp32 half to
-        even and fp64 toward zero, as `add` does."""
+    def _kernel_term(
+        self, tensors: list[Tensor], span: Tensor | None, factors: Tensor | None
+    ) -> list[tuple[Tensor, float]]:
+        """The term as the C kernel reads it: flat contiguous pieces back to back over the
+        partial sum, each with its factor; the span where all tensors share one factor."""
+        multipliers = [1.0] * len(tensors) if factors is None else factors.tolist()
+        if span is not None and len(set(multipliers)) == 1:
+            return [(span, multipliers[0])]
+        # (a negated or strided view is copied)
+        pieces = [t.reshape(-1).resolve_neg().contiguous() for t in tensors]
+        return list(zip(pieces, multipliers, strict=True))
+
+    def _add_by_kernel(self, kind: str, term: list[tuple[Tensor, float]], held: bool) -> None:
+        """Add the term by the C kernel, in one pass with a held term of its kind, or hold it
+        (`add`'s `held`) where nothing is held and fp64 sums two terms exactly."""
+        if self._held is not None and self._held[0] == kind:
+            first, self._held = self._held[1], None
+            if term[0][0].data_ptr() == first[0][0].data_ptr():  # (the caller broke `held`)
+                raise ValueError("a held term's buffer was written before the next add")
+            self._make_room(2)
+            self._kernel_pass(kind, first, term)
+            self._partial_terms += 2
+            return
+        self._add_held()
+        if held and self.terms_per_partial >= 2:
+            self._held = (kind, term)
+            return
+        self._make_room(1)
+        self._kernel_pass(kind, term)
+        self._partial_terms += 1
+
+    def _add_held(self) -> None:
+        """Add the held term alone, if one is held."""
+        if self._held is not None:
+            (kind, term), self._held = self._held, None
+            self._make_room(1)
+            self._kernel_pass(kind, term)
+            self._partial_terms += 1
+
+    def _kernel_pass(
+        self,
+        kind: str,
+        term: list[tuple[Tensor, float]],
+        second: list[tuple[Tensor, float]] | None = None,
+    ) -> None:
+        """One pass of the C kernel over each piece (module docstring): it rounds fp32 half to
+        even and fp64 toward zero, as `add` does; a second term's pieces in the same pass."""
+        if second is not None and len(term) != len(second):  # a span beside tensors: split it
+            term, second = self._per_tensor(term), self._per_tensor(second)
         address = self._partial.data_ptr()
-        for piece in pieces:
-            piece = piece.resolve_neg().contiguous()  # (a negated or strided view is copied)
-            _kernels.add_quantized(piece.data_ptr(), kind, address, piece.numel(), self.scale)
+        for index, (piece, multiplier) in enumerate(term):
+            also = () if second is None else (second[index][0].data_ptr(), second[index][1])
+            _kernels.add_quantized(
+                piece.data_ptr(), kind, address, piece.numel(), self.scale, multiplier, *also
+            )
             address += piece.numel() * self._partial.element_size()
+
+    def _per_tensor(self, term: list[tuple[Tensor, float]]) -> list[tuple[Tensor, float]]:
+        if len(term) == len(self._sizes):
+            return term
+        ((span, multiplier),) = term
+        return [(piece, multiplier) for piece in span.split(self._sizes)]
 
     def _add_blocks(self, pieces: list[Tensor], to_integer) -> None:
         """Torch's passes block by block, each block's scratch in cache (module docstring)."""
@@ -212,6 +292,7 @@ class ExactSum:
     def buffers(self) -> list[Tensor]:
         """The int64 sums, to all-reduce (SUM) across processes in place."""
         self._check_open()
+        self._add_held()
         self._flush()
         assert self._sum is not None
         return [self._sum]
@@ -219,6 +300,7 @@ class ExactSum:
     def result(self, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
         """The sum, in `dtype`, per tensor. It ends the sum: the values may lie in its buffers."""
         self._check_open()
+        self._add_held()
         self._ended = True
         if self._sum is None:  # never flushed: the partial sum holds the integers, exactly
             values = self._partial.div_(self.scale)

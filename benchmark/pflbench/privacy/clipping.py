@@ -55,6 +55,9 @@ class ClipResult:
     norms: Tensor  # fp64 [H] per-layer L2 norms before clipping (order = dict order)
     factors: Tensor  # fp64 [H] factor applied per layer (> 1 only for scaled-up "normalize")
     total_norm: float  # global L2 norm before clipping
+    # fp64 [H]: where clip_update(scale=False) left each tensor's multiply to the caller, its
+    # factor (`apply_factors`), else 1; None where every tensor holds its clipped values.
+    pending: Tensor | None = None
 
     @property
     def changed(self) -> bool:
@@ -207,13 +210,17 @@ def clip_update(
     in_place: bool = False,
     perlayer_rule: Literal["clip", "normalize"] = "clip",
     norms: Tensor | None = None,
+    scale: bool = True,
 ) -> ClipResult:
     """Clip `update` to L2 norm `bound` (global) or per layer to C_h by `perlayer_rule`.
 
     Layers left alone are returned unchanged (factor exactly 1). Call `zero_if_nonfinite`
     first: a NaN/Inf update has no meaningful norm. `norms`: the update's `layer_norms`, where
-    already measured.
+    already measured. `scale=False` (in place only) leaves the plain multiplies (`apply_factors`)
+    to the caller, in `pending`: the exact sum takes them in its own pass over the update.
     """
+    if not (scale or in_place):
+        raise ValueError("clip_update(scale=False) needs in_place=True")
     if not update:
         raise ValueError("clip_update needs a non-empty update")
     tensors = list(update.values())
@@ -228,14 +235,19 @@ def clip_update(
         perlayer_rule,
     )
     out = tensors if in_place else [t.clone() for t in tensors]
+    pending = None
     if clipping != "none":
         targets = scaled_bounds([t.numel() for t in tensors], clipping, bound, perlayer_mode)
-        _scale(out, factors, targets)
+        pending = _scale(out, factors, targets)
+        if scale:
+            apply_factors(out, pending)
+            pending = None
     return ClipResult(
         update=dict(zip(update.keys(), out, strict=True)),
         norms=norms,
         factors=factors,
         total_norm=float(torch.linalg.vector_norm(norms)),
+        pending=pending,
     )
 
 
@@ -377,31 +389,44 @@ def _factors_round_relatively(factors: float | Tensor, dtype: torch.dtype) -> bo
     return (factors == 1) | (factors == 0) | ((factors >= kind.tiny) & (factors < kind.max))
 
 
-def _scale(tensors: list[Tensor], factors: Tensor, targets: list[tuple[float, int]]) -> None:
-    """Multiply each tensor in place by its factor where that is not 1, the result within its
-    target bound (over the given number of elements) exactly.
+def _scale(tensors: list[Tensor], factors: Tensor, targets: list[tuple[float, int]]) -> Tensor:
+    """Prepare to multiply each tensor by its factor where that is not 1, the result within its
+    target bound (over the given number of elements) exactly; returns the factors of the plain
+    multiplies still to do (`apply_factors`; 1 elsewhere).
 
-    Where rounding is relative (`_bound_rounds_relatively`, `_factors_round_relatively`): one
-    fused multiply by fp32 factor tensors (fp64 for fp64 tensors; a Python scalar would first be
-    rounded to a half-precision tensor's dtype, and overflow fp16 when a small layer is scaled
-    up). Elsewhere rounding is absolute: the product is taken in fp64 and rounded toward zero, so
-    no element grows."""
-    fast: list[int] = []
+    Where rounding is relative (`_bound_rounds_relatively`, `_factors_round_relatively`): a plain
+    multiply. Elsewhere rounding is absolute: the product is taken here, in fp64 and rounded
+    toward zero, so no element grows."""
+    toward_zero: list[int] = []
     for i, (factor, (bound, size)) in enumerate(zip(factors.tolist(), targets, strict=True)):
         if factor == 1.0:
             continue
         tensor = tensors[i]
-        if _bound_rounds_relatively(bound, size, tensor.dtype) and _factors_round_relatively(
-            factor, tensor.dtype
+        if not (
+            _bound_rounds_relatively(bound, size, tensor.dtype)
+            and _factors_round_relatively(factor, tensor.dtype)
         ):
-            fast.append(i)
-        else:
             _scale_toward_zero(tensor, factor)
-    if fast:
+            toward_zero.append(i)
+    if not toward_zero:
+        return factors
+    pending = factors.clone()
+    pending[toward_zero] = 1.0
+    return pending
+
+
+def apply_factors(tensors: list[Tensor], factors: Tensor) -> None:
+    """tensors[h] *= factors[h] (fp64 [H]) in place where the factor is not 1, in one fused
+    multiply by fp32 factor tensors (fp64 for fp64 tensors; a Python scalar would first be rounded
+    to a half-precision tensor's dtype, and overflow fp16 when a small layer is scaled up): the
+    product rounds relatively where `_scale` left the multiply, and the C kernel of the exact sum
+    (privacy/aggregate.py) takes the same products."""
+    multiplied = [h for h, factor in enumerate(factors.tolist()) if factor != 1.0]
+    if multiplied:
         as32 = factors.float()
         torch._foreach_mul_(
-            [tensors[i] for i in fast],
-            [factors[i] if tensors[i].dtype == torch.float64 else as32[i] for i in fast],
+            [tensors[h] for h in multiplied],
+            [factors[h] if tensors[h].dtype == torch.float64 else as32[h] for h in multiplied],
         )
 
 

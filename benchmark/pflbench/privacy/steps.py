@@ -8,7 +8,8 @@ and return what they saw, for the step's stats (never released) and for the next
     ZeroNonfinite     a NaN/Inf update becomes zeros            {"nonfinite", "norms"}
                       (exact=False, before no clipping: fp32 norms, "norm_error")
     ClipGlobal        ‖Δ‖ ≤ C                                   {"norms", "clipped", "largest"}
-    ClipPerLayer      ‖Δ_h‖ ≤ C_h with Σ C_h² = C²              {"norms", "clipped", "largest"}
+                      (scale=False: the multiply left to the sum, "pending")
+    ClipPerLayer      ‖Δ_h‖ ≤ C_h with Σ C_h² = C²              the same as ClipGlobal
     MeasureNorms      no clipping: only the norms               {"norms", "clipped", "largest"}
     AddClientNoise    + N(0, C²σ²S), from the user's own stream {"largest": None}
 
@@ -94,25 +95,33 @@ class ZeroNonfinite:
 
 @dataclass(frozen=True)
 class ClipGlobal:
-    """Scale an update over the L2 bound C down to it."""
+    """Scale an update over the L2 bound C down to it. `scale=False` leaves the plain multiply
+    to the exact sum's pass (clip_update's `pending`, in "pending"), where this is the last step
+    before the sum."""
 
     bound: float
 
-    def apply(self, update: dict[str, Tensor], user: str, step: int, seen: dict) -> dict:
-        clipped = clip_update(update, "global", self.bound, in_place=True, norms=seen.get("norms"))
+    def apply(
+        self, update: dict[str, Tensor], user: str, step: int, seen: dict, scale: bool = True
+    ) -> dict:
+        clipped = clip_update(
+            update, "global", self.bound, in_place=True, norms=seen.get("norms"), scale=scale
+        )
         return _clipped_facts(clipped)
 
 
 @dataclass(frozen=True)
 class ClipPerLayer:
     """Clip each layer to its bound C_h (privacy/clipping.py: how `mode` splits C, what `rule`
-    does to the layers under their bound)."""
+    does to the layers under their bound); `scale` as ClipGlobal's."""
 
     bound: float
     mode: Literal["uniform", "dim"]
     rule: Literal["clip", "normalize"]
 
-    def apply(self, update: dict[str, Tensor], user: str, step: int, seen: dict) -> dict:
+    def apply(
+        self, update: dict[str, Tensor], user: str, step: int, seen: dict, scale: bool = True
+    ) -> dict:
         clipped = clip_update(
             update,
             "perlayer",
@@ -121,6 +130,7 @@ class ClipPerLayer:
             in_place=True,
             perlayer_rule=self.rule,
             norms=seen.get("norms"),
+            scale=scale,
         )
         return _clipped_facts(clipped)
 
@@ -154,11 +164,14 @@ class AddClientNoise:
 def _clipped_facts(clipped: ClipResult) -> dict:
     # After clipping a layer's norm is at most its measured norm times its factor (the margin
     # keeps scaled layers under their bound; others are as measured).
-    return {
+    facts = {
         "norms": clipped.norms,
         "clipped": clipped.changed,
         "largest": _largest(clipped.norms * clipped.factors),
     }
+    if clipped.pending is not None:
+        facts["pending"] = clipped.pending
+    return facts
 
 
 def _largest(norms: Tensor) -> float:

@@ -15,6 +15,7 @@ from pflbench.privacy.mechanisms.base import (
     check_within_clip_bound,
     checks_plugin_bound,
     mechanism_class,
+    scales_in_sum,
 )
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "check_within_clip_bound",
     "checks_plugin_bound",
     "mechanism_class",
+    "scales_in_sum",
 ]
 
 for _module in pkgutil.iter_modules(__path__):

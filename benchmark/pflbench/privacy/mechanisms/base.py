@@ -36,7 +36,7 @@ from pflbench.privacy.accounting import MechanismDescription, SampledGaussian
 from pflbench.privacy.adaptive import next_clip_bound
 from pflbench.privacy.clipping import layer_norms, measurement_error
 from pflbench.privacy.sampling import expected_cohort, sample_cohort
-from pflbench.privacy.steps import privacy_steps
+from pflbench.privacy.steps import ClipGlobal, ClipPerLayer, privacy_steps
 from pflbench.spec.models import NoOptions, PrivacyRecipe, Recipe
 from pflbench.spec.registry import format_validation_error
 
@@ -149,12 +149,21 @@ class PrivacyMechanism:
         bound = update_bound if self.steps.bound is None else self.steps.bound
         return bound + self.steps.headroom
 
-    def constrain_sensitivity(self, update: dict[str, torch.Tensor], user: str, step: int) -> dict:
+    def constrain_sensitivity(
+        self, update: dict[str, torch.Tensor], user: str, step: int, scale_in_sum: bool = False
+    ) -> dict:
         """Run the per-user steps on `update` in place; returns what they saw (privacy/steps.py)
-        and `within`: whether the update was within C_t (adaptive clipping's bit)."""
+        and `within`: whether the update was within C_t (adaptive clipping's bit).
+        `scale_in_sum` (the aggregator's, for a mechanism whose constrain_sensitivity this is):
+        where clipping is the last step, its multiply is left to the exact sum's pass over the
+        update, in facts["pending"] (ExactSum.add's `factors`)."""
         facts: dict = {}
-        for user_step in self.steps.per_user:
-            facts |= user_step.apply(update, user, step, facts)
+        last = len(self.steps.per_user) - 1
+        for index, user_step in enumerate(self.steps.per_user):
+            if scale_in_sum and index == last and isinstance(user_step, ClipGlobal | ClipPerLayer):
+                facts |= user_step.apply(update, user, step, facts, scale=False)
+            else:
+                facts |= user_step.apply(update, user, step, facts)
         facts["within"] = float(torch.linalg.vector_norm(facts["norms"].double().cpu())) <= (
             self.clip_bound
         )
@@ -211,6 +220,15 @@ def checks_plugin_bound(mechanism: PrivacyMechanism) -> bool:
     script or a library) is measured too."""
     shipped = type(mechanism).__module__.startswith(f"{__package__}.")
     return mechanism.context.sigma_dp > 0 and not shipped
+
+
+def scales_in_sum(mechanism: PrivacyMechanism) -> bool:
+    """Whether the aggregator may leave clipping's multiply to the exact sum
+    (constrain_sensitivity's `scale_in_sum`): where the mechanism's constrain_sensitivity is the
+    Gaussian mechanism's own (an override may read or change the clipped update afterwards) and
+    nothing measures the update after it (`checks_plugin_bound`)."""
+    own = type(mechanism).constrain_sensitivity is PrivacyMechanism.constrain_sensitivity
+    return own and not checks_plugin_bound(mechanism)
 
 
 def check_within_clip_bound(
