@@ -78,6 +78,34 @@ def test_delta_is_global_minus_local_and_keyed():
     assert _one_span(list(other_step.update.values()), like) is not None
 
 
+def test_updates_held_for_later_clients_sum_as_one_at_a_time():
+    """On a CPU with the exact sum's kernel, Δ buffers in turn keep each client's update through
+    the next TERMS_PER_PASS - 1 results, and the aggregator's sum takes up to TERMS_PER_PASS in
+    one pass: the same pseudo-gradient bit for bit as one buffer and one client per pass, for a
+    cohort that leaves a remainder (added at finish). An algorithm with payload entries keeps one
+    buffer."""
+    from pflbench.privacy.aggregate import TERMS_PER_PASS, adds_in_one_pass
+
+    model, paired = _trainer()
+    _, alone = _trainer()
+    assert paired.updates_outlive == (TERMS_PER_PASS - 1 if adds_in_one_pass() else 0)
+    alone.updates_outlive = 0
+    alone.update = LocalUpdate(alone.update.params, alone.recipe)
+    users = [(f"user{i % 3:05d}", STORE.load_user(f"user{i % 3:05d}")) for i in range(6)]
+    grads = []
+    for trainer in (paired, alone):
+        privacy = PrivacyRecipe(clipping="global", clip_bound=0.05)
+        like = dict(zip(trainer.names, _globals(model), strict=True))
+        agg = StepAggregator(like, make_mechanism(privacy, users=6), 2, update_bound=10.0)
+        for user, result in trainer.train_group(_globals(model), users, 2):
+            held = trainer.updates_outlive
+            agg.add(result.update, user, result.loss, result.local_steps, result.frames, held)
+        grads.append(agg.finish()[0])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    _, scaffold = _trainer(algorithm="scaffold")
+    assert scaffold.updates_outlive == 0
+
+
 def test_a_block_layer_drop_skips_keeps_its_weights():
     """paper-255m trains with layer drop 0.3: a skipped block is not in the graph, so its
     gradient is zero and the client's step leaves it; the other tensors still train. With

@@ -323,7 +323,7 @@ def test_the_c_kernel_gives_the_integers_of_torch_s_passes(wide, log_terms, valu
     """Wherever the C kernel adds a term (fp32 or fp64, integers up to 2^51: max_terms >= 2^11),
     its sum is torch's passes' bit for bit: random values, and values half way between grid
     points (k + 1/2 steps, where round half to even decides; fp64 rounds toward zero), of both
-    signs, over three terms (two of them in one pass)."""
+    signs, over four terms (in one pass)."""
     if exact_sum_module._kernels is None:
         pytest.skip("the C kernel is not built here (setup.py found no C compiler)")
     dtype = torch.float64 if wide else torch.float32
@@ -333,8 +333,8 @@ def test_the_c_kernel_gives_the_integers_of_torch_s_passes(wide, log_terms, valu
     kernel, passes = (ExactSum({"w": term}, max_abs=1.0, max_terms=2**log_terms) for _ in "12")
     passes._kernel_adds = False  # torch's passes
     assert kernel._kernel_kind([term]) == ("d" if wide else "f")
-    for summand in (term, -term, term):  # the kernel's first two terms in one pass
-        kernel.add({"w": summand}, held=True)
+    for summand in (term, -term, term.clone(), -term):  # the kernel's four in one pass
+        kernel.add({"w": summand}, held=3)
         passes.add({"w": summand})
     assert torch.equal(kernel.buffers()[0], passes.buffers()[0])
 
@@ -547,41 +547,48 @@ def test_the_c_kernel_multiplies_as_torch_does_before_it_quantizes(wide, values,
 
 
 @pytest.mark.parametrize("wide", [False, True])
-def test_held_terms_sum_in_pairs_to_the_same_integers(sum_path, wide):
-    """Terms added `held` share the C kernel's pass with the next term (fp32, fp64; span beside
-    separate tensors; with clipping factors); a held term is added alone before a term of another
-    kind, and before buffers() and result(); the sum is the unheld sum's bit for bit. A held
-    term's buffer written again before the next add is refused, not summed."""
+def test_held_terms_sum_together_to_the_same_integers(sum_path, wide):
+    """Terms added `held` share the C kernel's pass with later ones, up to TERMS_PER_PASS (fp32,
+    fp64; spans beside separate tensors; with clipping factors): a term held for fewer adds ends
+    the wait early, a held term is added before a term of another kind and before buffers() and
+    result(); the sum is the unheld sum's bit for bit. A held term's buffer written again before
+    the sum read it is refused, not summed."""
+    from pflbench.privacy.aggregate import TERMS_PER_PASS
+
     dtype = torch.float64 if wide else torch.float32
     generator = torch.Generator().manual_seed(11)
     terms = [
         {n: (torch.randn(s, generator=generator) * 0.1).to(dtype) for n, s in SHAPES.items()}
-        for _ in range(7)
+        for _ in range(11)
     ]
     factors = torch.tensor([0.5, 1.0, 0.25, 0.75], dtype=torch.float64)
     like = {n: t.clone() for n, t in terms[0].items()}
-    plain, paired = ExactSum(like, max_abs=0.5), ExactSum(like, max_abs=0.5)
+    plain, held = ExactSum(like, max_abs=0.5), ExactSum(like, max_abs=0.5)
     narrow = {n: t.to(torch.bfloat16) for n, t in terms[0].items()}
+    kept = []  # the held terms' tensors, unchanged as `held` promises
+    passes = []
     for index, term in enumerate(terms):
         views = one_buffer(term) if index % 3 else {n: t.clone() for n, t in term.items()}
         scaled = factors if index % 2 else None
-        for total, held in ((plain, False), (paired, True)):
-            copy = {n: t.clone() for n, t in views.items()}
-            total.add(views if held else copy, largest=0.5, factors=scaled, held=held)
-        if index == 4 and not wide:  # a bf16 term: torch's passes, the held one alone first
+        plain.add({n: t.clone() for n, t in views.items()}, largest=0.5, factors=scaled)
+        kept.append(views)
+        waiting = len(held._held)
+        held.add(views, largest=0.5, factors=scaled, held=1 if index == 5 else TERMS_PER_PASS)
+        passes.append(waiting + 1 if not held._held else 0)
+        if index == 8 and not wide:  # a bf16 term: torch's passes, the held ones first
             plain.add({n: t.clone() for n, t in narrow.items()})
-            paired.add({n: t.clone() for n, t in narrow.items()}, held=True)
-    # fp64: the seventh term held until buffers(); fp32: the bf16 term took the fifth alone
-    assert (paired._held is not None) == (wide and sum_path == "kernel")
-    assert torch.equal(plain.buffers()[0], paired.buffers()[0])
-    assert paired._held is None
+            held.add({n: t.clone() for n, t in narrow.items()}, held=3)
+    if sum_path == "kernel":  # four at once; the term held for one add ends the wait at six
+        assert passes[:7] == [0, 0, 0, TERMS_PER_PASS, 0, 0, 3]
+    assert torch.equal(plain.buffers()[0], held.buffers()[0])
+    assert held._held == []
     alone, unheld = ExactSum(like, max_abs=0.5), ExactSum(like, max_abs=0.5)
-    alone.add(terms[0], largest=0.5, held=True)
+    alone.add(terms[0], largest=0.5, held=2)
     unheld.add(terms[0], largest=0.5)
     assert torch.equal(flat(alone.result(torch.float64)), flat(unheld.result(torch.float64)))
     if sum_path == "kernel":
         reused = ExactSum(like, max_abs=0.5)
         buffer = one_buffer(terms[1])
-        reused.add(buffer, largest=0.5, held=True)
+        reused.add(buffer, largest=0.5, held=2)
         with pytest.raises(ValueError, match="held term's buffer was written"):
-            reused.add(buffer, largest=0.5, held=True)
+            reused.add(buffer, largest=0.5, held=2)

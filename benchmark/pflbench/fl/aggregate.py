@@ -66,11 +66,18 @@ class StepAggregator:
         self.seconds = 0.0  # in the per-user privacy steps and the sum (`pflbench bench fl`)
 
     def add(
-        self, update: dict[str, torch.Tensor], user: str, loss: float, steps: int, frames: int
+        self,
+        update: dict[str, torch.Tensor],
+        user: str,
+        loss: float,
+        steps: int,
+        frames: int,
+        held: int = 0,
     ) -> None:
         """Fold one client's Δ in (the update's buffers are modified in place, and may be left
-        unclipped: clipping's multiply can be the sum's, ExactSum.add)."""
-        facts = self._fold(update, user)
+        unclipped: clipping's multiply can be the sum's, ExactSum.add). `held`: the caller keeps
+        them unchanged through that many more adds and until `finish` (ExactSum.add's)."""
+        facts = self._fold(update, user, held)
         norms = facts["norms"].double().cpu()
         nonfinite = facts["nonfinite"]
         loss = 0.0 if nonfinite else loss
@@ -91,7 +98,7 @@ class StepAggregator:
         self.head[WITHIN] += float(facts["within"])
         self.head[CANARIES] += 1.0  # audit canaries: users without data
 
-    def _fold(self, update: dict[str, torch.Tensor], user: str) -> dict:
+    def _fold(self, update: dict[str, torch.Tensor], user: str, held: int = 0) -> dict:
         """Constrain the update's sensitivity and add the result to the exact sum; returns what
         the mechanism saw of it (privacy/steps.py)."""
         started = time.perf_counter()
@@ -101,7 +108,7 @@ class StepAggregator:
             facts = self.mechanism.constrain_sensitivity(update, user, self.step)
         if self.check_bound:  # measured by pflbench, not as the plug-in reports it
             facts["largest"] = check_within_clip_bound(self.mechanism, update, user, self.step)
-        self.sum.add(update, largest=facts.get("largest"), factors=facts.get("pending"))
+        self.sum.add(update, facts.get("largest"), facts.get("pending"), held)
         self.seconds += time.perf_counter() - started
         return facts
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
@@ -37,6 +38,7 @@ from pflbench.fl.algorithms import ClientAlgorithm
 from pflbench.fl.local_update import LocalUpdate
 from pflbench.model.compiling import step_compiler, uses_cuda_graphs
 from pflbench.model.transformer import cape_positions, ctc_losses
+from pflbench.privacy.aggregate import TERMS_PER_PASS, adds_in_one_pass
 from pflbench.seeds import keyed_generator, keyed_seed, seed_global_draws
 from pflbench.spec.models import ClientRecipe, SpecAugmentRecipe
 
@@ -149,8 +151,22 @@ class ClientTrainer(ABC):
         # graphs skip anyway, and a second CUDA-graph function would start a new generation of
         # the graphs' memory pool that frees the backward's outputs, the gradients it reads
         # (measured on an H200: "accessing tensor output of CUDAGraphs that has been overwritten").
-        self.update = LocalUpdate(params, self.recipe, step_compiler(compile_backend))
-        self.group_size = self.update.group_size
+        # Where the exact sum's C kernel adds (a CPU), Δ buffers in turn keep each update
+        # through the next `updates_outlive` results: the sum takes up to TERMS_PER_PASS of
+        # them in one pass (ExactSum.add's `held`). An algorithm's payload entries lie in its
+        # own buffers, reused every group.
+        group_size = params[0].shape[0]
+        held = (
+            torch.device(device).type == "cpu"
+            and adds_in_one_pass()
+            and not algorithm.payload_like()
+        )
+        buffers = 1 + math.ceil((TERMS_PER_PASS - 1) / group_size) if held else 1
+        self.updates_outlive = (buffers - 1) * group_size
+        self.update = LocalUpdate(
+            params, self.recipe, step_compiler(compile_backend), delta_buffers=buffers
+        )
+        self.group_size = group_size
         self._losses = compiler(self._group_losses) if compiler else self._group_losses
         # CAPE draws per slot: None draws from the global RNG (seeded by _key_model_draws)
         self._position_generators: list[torch.Generator | None] = [None] * self.group_size
@@ -246,7 +262,8 @@ class ClientTrainer(ABC):
         step: int,
     ) -> Iterator[tuple[str, ClientResult]]:
         """Train `clients` (user, utterances) at central step `step`, `group_size` at a time;
-        yields (user, result) in order, a result's update a view valid until the next group."""
+        yields (user, result) in order, a result's update a view valid until the next group, and
+        through the next `updates_outlive` results at least."""
         for first in range(0, len(clients), self.group_size):
             group = clients[first : first + self.group_size]
             yield from self._train_together(global_params, group, step)

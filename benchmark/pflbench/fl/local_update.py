@@ -30,24 +30,31 @@ class LocalUpdate:
     `take_grads` (the trainer's backward makes new ones each step: nothing to zero or accumulate
     into). Algorithms read `global_params` (broadcast [G, ...] views of the global weights), may
     correct `grads` in place, and may use `delta` (per client: `delta_slots`) as scratch during
-    the local steps."""
+    the local steps. With `delta_buffers=R` groups take R Δ buffers in turn: a group's Δ stays
+    valid through the next R - 1 groups (what lets the exact sum take several clients' in one
+    pass, fl.aggregate)."""
 
     def __init__(
         self,
         params: list[torch.Tensor],
         recipe: ClientRecipe,
         compiler: Callable[[Callable], Callable] | None = None,
+        delta_buffers: int = 1,
     ):
         self.params, self.recipe = params, recipe
         self.group_size = params[0].shape[0]
         # Δ at the end, in one [G, total] buffer with a view per tensor: each client's Δ is one
         # contiguous span, which the exact sum scales without gathering it first.
         sizes = [p[0].numel() for p in params]
-        flat = params[0].new_empty(self.group_size, sum(sizes))
-        self.delta = [
-            piece.view(p.shape) for piece, p in zip(flat.split(sizes, dim=1), params, strict=True)
-        ]
-        self.delta_slots = [[d[i] for d in self.delta] for i in range(self.group_size)]
+        self._delta_buffers = []
+        for _ in range(delta_buffers):
+            flat = params[0].new_empty(self.group_size, sum(sizes))
+            pieces = flat.split(sizes, dim=1)
+            views = [piece.view(p.shape) for piece, p in zip(pieces, params, strict=True)]
+            slots = [[d[i] for d in views] for i in range(self.group_size)]
+            self._delta_buffers.append((views, slots))
+        self._turn = 0
+        self.delta, self.delta_slots = self._delta_buffers[0]
         self.grads: list[torch.Tensor] = []
         self.grad_slots: list[list[torch.Tensor]] = []
         self.global_params: list[torch.Tensor] = []
@@ -70,7 +77,10 @@ class LocalUpdate:
 
     @torch.no_grad()
     def start(self, global_params: list[torch.Tensor]) -> None:
-        """Every client starts from the global weights (given unstacked; broadcast, not copied)."""
+        """Every client starts from the global weights (given unstacked; broadcast, not copied),
+        its Δ in the next buffer."""
+        self._turn = (self._turn + 1) % len(self._delta_buffers)
+        self.delta, self.delta_slots = self._delta_buffers[self._turn]
         self.global_params = [
             g.expand_as(p) for g, p in zip(global_params, self.params, strict=True)
         ]

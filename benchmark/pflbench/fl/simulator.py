@@ -175,7 +175,14 @@ class Simulator:
         users = prefetched(self.store.load_user, mine)
         for group in chunks(users, self.client.group_size):
             for user, result in self.client.train_group(self.params, group, step):
-                aggregator.add(result.update, user, result.loss, result.local_steps, result.frames)
+                aggregator.add(
+                    result.update,
+                    user,
+                    result.loss,
+                    result.local_steps,
+                    result.frames,
+                    held=self.client.updates_outlive,
+                )
         averaged, stats = aggregator.finish()
         self.aggregation_seconds += aggregator.seconds
         fed = self.recipe.federated

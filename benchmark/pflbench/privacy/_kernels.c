@@ -7,8 +7,8 @@
  * even or an fp64 term rounded toward zero: the integers of torch's passes (multiply by clipping's
  * factor in the term's dtype, widen, scale, round, add), in one read of the term and one read and
  * write of the fp64 partial sum. An fp32 term's factor is rounded to fp32 first, as torch rounds
- * an fp32 factor tensor; times 1 the term is as it is. Two terms can share the pass: the partial
- * sum is read and written once for both, 40% less memory traffic per term. Rounding uses no libm call
+ * an fp32 factor tensor; times 1 the term is as it is. Up to four terms can share the pass: the
+ * partial sum is read and written once for all, 60% less memory traffic per term for four. Rounding uses no libm call
  * (nearbyint and trunc are calls on baseline x86-64, ~5x the pass): for |y| <= 2^51,
  * (y + 1.5·2^52) - 1.5·2^52 is y rounded to an integer half to even, since the sum lies in
  * [2^52, 2^53), whose doubles are exactly the integers, IEEE addition rounds half to even (the
@@ -56,24 +56,43 @@ static inline double fp64_integer(double x, double factor, double scale) {
     return fabs(r) > fabs(y) ? r - copysign(1.0, y) : r; /* toward zero */
 }
 
-/* The integers of x (and of y, where y is not NULL: two terms in one pass over the partial sum,
- * their integers' sum exact in fp64) added to partial. */
-static void add_fp32(const float *x, float fx, const float *y, float fy, double *partial,
+/* Up to MAX_TERMS terms of one kind in one pass: partial[i] += the sum of their integers at i,
+ * exact in fp64 (ExactSum keeps every partial sum within 2^53). */
+#define MAX_TERMS 4
+#define F32(t) fp32_integer(x[t][i], f32[t], scale)
+#define F64(t) fp64_integer(y[t][i], f64[t], scale)
+#define PASS(Q)                                                                                   \
+    switch (k) {                                                                                  \
+    case 1: for (Py_ssize_t i = 0; i < n; i++) partial[i] += Q(0); break;                        \
+    case 2: for (Py_ssize_t i = 0; i < n; i++) partial[i] += Q(0) + Q(1); break;                 \
+    case 3: for (Py_ssize_t i = 0; i < n; i++) partial[i] += (Q(0) + Q(1)) + Q(2); break;        \
+    default:                                                                                      \
+        for (Py_ssize_t i = 0; i < n; i++) partial[i] += ((Q(0) + Q(1)) + Q(2)) + Q(3);          \
+    }
+
+/* Several terms per pass make the pass bound by arithmetic, not memory: where the compiler and
+ * loader can (x86-64 Linux), the CPU's widest vectors are chosen at load time (4 terms on the AMD
+ * EPYC: ~25% faster with AVX-512 than with baseline SSE2). Each element's operations are the
+ * same IEEE ones at any width, and -ffp-contract=off keeps fused multiply-adds out of them. */
+#if defined(__x86_64__) && defined(__linux__) && defined(__has_attribute)
+#if __has_attribute(target_clones)
+#define WIDEST_VECTORS __attribute__((target_clones("avx512f", "avx2", "default")))
+#endif
+#endif
+#ifndef WIDEST_VECTORS
+#define WIDEST_VECTORS
+#endif
+
+WIDEST_VECTORS
+static void add_fp32(const float *const x[], const float f32[], int k, double *partial,
                      Py_ssize_t n, double scale) {
-    if (y == NULL)
-        for (Py_ssize_t i = 0; i < n; i++) partial[i] += fp32_integer(x[i], fx, scale);
-    else
-        for (Py_ssize_t i = 0; i < n; i++)
-            partial[i] += fp32_integer(x[i], fx, scale) + fp32_integer(y[i], fy, scale);
+    PASS(F32)
 }
 
-static void add_fp64(const double *x, double fx, const double *y, double fy, double *partial,
+WIDEST_VECTORS
+static void add_fp64(const double *const y[], const double f64[], int k, double *partial,
                      Py_ssize_t n, double scale) {
-    if (y == NULL)
-        for (Py_ssize_t i = 0; i < n; i++) partial[i] += fp64_integer(x[i], fx, scale);
-    else
-        for (Py_ssize_t i = 0; i < n; i++)
-            partial[i] += fp64_integer(x[i], fx, scale) + fp64_integer(y[i], fy, scale);
+    PASS(F64)
 }
 
 static double norm_in_fp64(const float *x, Py_ssize_t n) {
@@ -87,28 +106,38 @@ static double norm_in_fp64(const float *x, Py_ssize_t n) {
     return sqrt(total);
 }
 
-/* add_quantized(term_address, kind, partial_address, n, scale, factor[, second_address,
- * second_factor]): kind 'f' (fp32) or 'd' (fp64); the addresses are of n contiguous elements
- * (torch's data_ptr); a second term of the same kind is added in the same pass. */
+/* add_quantized(term_address, kind, partial_address, n, scale, factor[, term_address, factor]...):
+ * kind 'f' (fp32) or 'd' (fp64); the addresses are of n contiguous elements (torch's data_ptr);
+ * up to MAX_TERMS terms of that kind, each with its factor, are added in the same pass. */
 static PyObject *add_quantized(PyObject *self, PyObject *args) {
-    unsigned long long term, partial, second = 0;
+    unsigned long long terms[MAX_TERMS] = {0}, partial;
+    double factors[MAX_TERMS] = {1.0, 1.0, 1.0, 1.0};
     int kind;
     Py_ssize_t n;
-    double scale, factor, second_factor = 1.0;
-    if (!PyArg_ParseTuple(args, "KCKndd|Kd", &term, &kind, &partial, &n, &scale, &factor, &second,
-                          &second_factor))
+    double scale;
+    if (!PyArg_ParseTuple(args, "KCKndd|KdKdKd", &terms[0], &kind, &partial, &n, &scale,
+                          &factors[0], &terms[1], &factors[1], &terms[2], &factors[2], &terms[3],
+                          &factors[3]))
         return NULL;
-    if (n < 0 || (kind != 'f' && kind != 'd')) {
-        PyErr_SetString(PyExc_ValueError, "need n >= 0 and kind 'f' (fp32) or 'd' (fp64)");
+    if (n < 0 || (kind != 'f' && kind != 'd') || PyTuple_GET_SIZE(args) % 2) {
+        PyErr_SetString(PyExc_ValueError,
+                        "need n >= 0, kind 'f' (fp32) or 'd' (fp64) and a factor for each term");
         return NULL;
+    }
+    int k = 1 + (int)(PyTuple_GET_SIZE(args) - 6) / 2;
+    const float *x[MAX_TERMS];
+    const double *y[MAX_TERMS];
+    float f32[MAX_TERMS];
+    for (int t = 0; t < k; t++) {
+        x[t] = (const float *)(uintptr_t)terms[t];
+        y[t] = (const double *)(uintptr_t)terms[t];
+        f32[t] = (float)factors[t];
     }
     Py_BEGIN_ALLOW_THREADS
     if (kind == 'f')
-        add_fp32((const float *)(uintptr_t)term, (float)factor, (const float *)(uintptr_t)second,
-                 (float)second_factor, (double *)(uintptr_t)partial, n, scale);
+        add_fp32(x, f32, k, (double *)(uintptr_t)partial, n, scale);
     else
-        add_fp64((const double *)(uintptr_t)term, factor, (const double *)(uintptr_t)second,
-                 second_factor, (double *)(uintptr_t)partial, n, scale);
+        add_fp64(y, factors, k, (double *)(uintptr_t)partial, n, scale);
     Py_END_ALLOW_THREADS
     Py_RETURN_NONE;
 }
