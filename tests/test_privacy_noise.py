@@ -592,3 +592,8 @@ def test_held_terms_sum_together_to_the_same_integers(sum_path, wide):
         reused.add(buffer, largest=0.5, held=2)
         with pytest.raises(ValueError, match="held term's buffer was written"):
             reused.add(buffer, largest=0.5, held=2)
+    empty = {"e": torch.zeros(0), "w": torch.tensor([0.25, -0.5])}  # (no element to tell by)
+    twice = ExactSum(empty, max_abs=0.5)
+    for _ in range(2):
+        twice.add({n: t.clone() for n, t in empty.items()}, largest=0.5, held=1)
+    assert twice.result(torch.float64)["w"].tolist() == [0.5, -1.0]

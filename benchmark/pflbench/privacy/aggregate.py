@@ -210,9 +210,9 @@ class ExactSum:
         if self._held and self._held_kind != kind:
             self._add_held()
         index = self.terms  # this term's; a held one is readable through add `last`
-        for waiting, _ in self._held:
-            if waiting[0][0].data_ptr() == term[0][0].data_ptr():  # (the caller broke `held`)
-                raise ValueError("a held term's buffer was written before the sum read it")
+        address = _first_address(term)
+        if address is not None and any(_first_address(w) == address for w, _ in self._held):
+            raise ValueError("a held term's buffer was written before the sum read it")
         self._held.append((term, index + held))
         self._held_kind = kind
         full = len(self._held) >= min(TERMS_PER_PASS, self.terms_per_partial)
@@ -338,6 +338,12 @@ def scratch_dtype(dtypes: list[torch.dtype], device: torch.device, scale: float)
         or scale > torch.finfo(torch.float32).max  # a tiny max_abs·max_terms
     )
     return torch.float64 if wide else torch.float32
+
+
+def _first_address(term: list[tuple[Tensor, float]]) -> int | None:
+    """Where a kernel term's first element lies (None for a term of no elements): a caller that
+    hands the sum a held term's buffer again has written over it (`add`'s `held`)."""
+    return next((piece.data_ptr() for piece, _ in term if piece.numel()), None)
 
 
 def _one_span(tensors: list[Tensor], like: Tensor) -> Tensor | None:
