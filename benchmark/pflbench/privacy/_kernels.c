@@ -95,15 +95,62 @@ static void add_fp64(const double *const y[], const double f64[], int k, double 
     PASS(F64)
 }
 
-static double norm_in_fp64(const float *x, Py_ssize_t n) {
-    if (n == 1) return fabs((double)x[0]); /* ATen's |x| of one element: a NaN's sign cleared */
-    double lane[4] = {0.0, 0.0, 0.0, 0.0};
-    Py_ssize_t i = 0, body = n - n % 4;
-    for (; i < body; i += 4)
+/* Lane j of a tensor's norm sums the squares of its elements j, j+4, ... in turn: one chain of
+ * dependent additions per lane, so one tensor's pass waits on the adder's latency. Two tensors'
+ * chains in one loop keep it busy (a 4.89M-element update: ~35% faster); each lane still adds
+ * its own squares in its own order. */
+static void add_squares(const float *x, Py_ssize_t from, Py_ssize_t to, double lane[4]) {
+    for (Py_ssize_t i = from; i < to; i += 4)
         for (int j = 0; j < 4; j++) lane[j] += (double)x[i + j] * (double)x[i + j];
+}
+
+static void add_squares_of_two(const float *x, const float *y, Py_ssize_t to, double lx[4],
+                               double ly[4]) {
+    double x0 = 0.0, x1 = 0.0, x2 = 0.0, x3 = 0.0, y0 = 0.0, y1 = 0.0, y2 = 0.0, y3 = 0.0;
+    for (Py_ssize_t i = 0; i < to; i += 4) {
+        x0 += (double)x[i] * (double)x[i];
+        x1 += (double)x[i + 1] * (double)x[i + 1];
+        x2 += (double)x[i + 2] * (double)x[i + 2];
+        x3 += (double)x[i + 3] * (double)x[i + 3];
+        y0 += (double)y[i] * (double)y[i];
+        y1 += (double)y[i + 1] * (double)y[i + 1];
+        y2 += (double)y[i + 2] * (double)y[i + 2];
+        y3 += (double)y[i + 3] * (double)y[i + 3];
+    }
+    lx[0] = x0, lx[1] = x1, lx[2] = x2, lx[3] = x3;
+    ly[0] = y0, ly[1] = y1, ly[2] = y2, ly[3] = y3;
+}
+
+/* The norm of x's n elements, its lanes summed up to element `from` already. */
+static double finish_norm(const float *x, Py_ssize_t n, Py_ssize_t from, double lane[4]) {
+    if (n == 1) return fabs((double)x[0]); /* ATen's |x| of one element: a NaN's sign cleared */
+    Py_ssize_t i = n - n % 4;
+    add_squares(x, from, i, lane);
     double total = ((lane[0] + lane[1]) + lane[2]) + lane[3];
     for (; i < n; i++) total += (double)x[i] * (double)x[i];
     return sqrt(total);
+}
+
+/* norms[i] = the norm of tensors[i], two tensors of similar sizes at a time. */
+static void norms_in_pairs(const float **tensors, Py_ssize_t *numels, Py_ssize_t *order,
+                           Py_ssize_t count, double *norms) {
+    for (Py_ssize_t k = 1; k < count; k++) /* larger first (insertion: a model's few tensors) */
+        for (Py_ssize_t m = k; m > 0 && numels[order[m]] > numels[order[m - 1]]; m--) {
+            Py_ssize_t swap = order[m];
+            order[m] = order[m - 1], order[m - 1] = swap;
+        }
+    for (Py_ssize_t k = 0; k < count; k += 2) {
+        Py_ssize_t a = order[k];
+        double la[4] = {0.0, 0.0, 0.0, 0.0}, lb[4] = {0.0, 0.0, 0.0, 0.0};
+        if (k + 1 == count) {
+            norms[a] = finish_norm(tensors[a], numels[a], 0, la);
+            continue;
+        }
+        Py_ssize_t b = order[k + 1], shared = numels[b] - numels[b] % 4; /* numels[b] <= [a] */
+        add_squares_of_two(tensors[a], tensors[b], shared, la, lb);
+        norms[a] = finish_norm(tensors[a], numels[a], shared, la);
+        norms[b] = finish_norm(tensors[b], numels[b], shared, lb);
+    }
 }
 
 /* add_quantized(term_address, kind, partial_address, n, scale, factor[, term_address, factor]...):
@@ -158,9 +205,11 @@ static PyObject *layer_norms(PyObject *self, PyObject *args) {
     if (count == 0) Py_RETURN_NONE;
     const float **tensors = PyMem_Malloc(count * sizeof *tensors);
     Py_ssize_t *numels = PyMem_Malloc(count * sizeof *numels);
-    if (tensors == NULL || numels == NULL) {
+    Py_ssize_t *order = PyMem_Malloc(count * sizeof *order);
+    if (tensors == NULL || numels == NULL || order == NULL) {
         PyMem_Free(tensors);
         PyMem_Free(numels);
+        PyMem_Free(order);
         return PyErr_NoMemory();
     }
     for (Py_ssize_t i = 0; i < count && !PyErr_Occurred(); i++) {
@@ -168,6 +217,7 @@ static PyObject *layer_norms(PyObject *self, PyObject *args) {
         if (address != NULL && size != NULL) {
             tensors[i] = (const float *)(uintptr_t)PyLong_AsUnsignedLongLong(address);
             numels[i] = PyLong_AsSsize_t(size);
+            order[i] = i;
             if (!PyErr_Occurred() && numels[i] < 0)
                 PyErr_SetString(PyExc_ValueError, "need sizes >= 0");
         }
@@ -177,11 +227,12 @@ static PyObject *layer_norms(PyObject *self, PyObject *args) {
     if (!PyErr_Occurred()) {
         double *norms = (double *)(uintptr_t)out;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t i = 0; i < count; i++) norms[i] = norm_in_fp64(tensors[i], numels[i]);
+        norms_in_pairs(tensors, numels, order, count, norms);
         Py_END_ALLOW_THREADS
     }
     PyMem_Free(tensors);
     PyMem_Free(numels);
+    PyMem_Free(order);
     if (PyErr_Occurred()) return NULL;
     Py_RETURN_NONE;
 }
