@@ -102,10 +102,7 @@ def _kernel_measures(tensors: Sequence[Tensor]) -> bool:
     (torch sums a strided one in the order of its memory, not of its elements), where the kernel
     sums in torch's order."""
     return (
-        all(
-            t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-            for t in tensors
-        )
+        all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)
         and kernel_norms_are_torchs()
     )
 
@@ -268,14 +265,10 @@ def clip_factors(
         raise ValueError(f"clip bound must be > 0, got {bound}")
     if perlayer_rule not in ("clip", "normalize"):
         raise ValueError(f"unknown per-layer rule {perlayer_rule!r}; expected clip or normalize")
-    layers = len(sizes)
-    margin_list = [
-        rounding_margin(dtype, size, layers) for dtype, size in zip(dtypes, sizes, strict=True)
-    ]
+    margin_list, errors = _margins_and_errors(tuple(sizes), tuple(dtypes))
     margins = torch.tensor(margin_list, dtype=torch.float64, device=norms.device)
     total_norm = torch.linalg.vector_norm(norms, dim=-1, keepdim=True)
     # A norm measured within its error of the bound may be over it: such a layer is clipped too.
-    errors = [measurement_error(size, layers) for size in sizes]
     over_total = total_norm > bound * (1 - max(errors))
     if clipping == "none":
         return torch.ones_like(norms)
@@ -293,6 +286,17 @@ def clip_factors(
         # normalize: where the total is over C, every non-zero layer to (1 - margin) * C_h
         return torch.where(over_total & (norms > 0), aims, 1.0)
     raise ValueError(f"unknown clipping {clipping!r}; expected none, global or perlayer")
+
+
+@cache
+def _margins_and_errors(
+    sizes: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+) -> tuple[list[float], list[float]]:
+    """Each layer's `rounding_margin` and `measurement_error` (the same shapes every client: made
+    once, not per update; read only)."""
+    layers = len(sizes)
+    margins = [rounding_margin(d, size, layers) for d, size in zip(dtypes, sizes, strict=True)]
+    return margins, [measurement_error(size, layers) for size in sizes]
 
 
 def scaled_bounds(
