@@ -82,8 +82,8 @@ def test_updates_held_for_later_clients_sum_as_one_at_a_time():
     """On a CPU with the exact sum's kernel, Δ buffers in turn keep each client's update through
     the next TERMS_PER_PASS - 1 results, and the aggregator's sum takes up to TERMS_PER_PASS in
     one pass: the same pseudo-gradient bit for bit as one buffer and one client per pass, for a
-    cohort that leaves a remainder (added at finish). An algorithm with payload entries keeps one
-    buffer."""
+    cohort that leaves a remainder (added at finish). An algorithm with payload entries, or a
+    plug-in's (whose hooks might keep a Δ buffer), keeps one buffer."""
     from pflbench.privacy.aggregate import TERMS_PER_PASS, adds_in_one_pass
 
     model, paired = _trainer()
@@ -104,6 +104,10 @@ def test_updates_held_for_later_clients_sum_as_one_at_a_time():
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
     _, scaffold = _trainer(algorithm="scaffold")
     assert scaffold.updates_outlive == 0
+    algorithm = make_algorithm(alone.recipe, model, alone.names, seed=1)
+    algorithm.__class__ = type("Outside", (type(algorithm),), {})  # a plug-in's: this module's
+    outside = SequentialClientTrainer(model, alone.names, algorithm, SpecAugmentRecipe(), 1, "cpu")
+    assert outside.updates_outlive == 0
 
 
 def test_a_block_layer_drop_skips_keeps_its_weights():

@@ -153,13 +153,15 @@ class ClientTrainer(ABC):
         # (measured on an H200: "accessing tensor output of CUDAGraphs that has been overwritten").
         # Where the exact sum's C kernel adds (a CPU), Δ buffers in turn keep each update
         # through the next `updates_outlive` results: the sum takes up to TERMS_PER_PASS of
-        # them in one pass (ExactSum.add's `held`). An algorithm's payload entries lie in its
-        # own buffers, reused every group.
+        # them in one pass (ExactSum.add's `held`). Not with payload entries, which lie in the
+        # algorithm's own buffers, reused every group, nor for a plug-in's algorithm, whose hooks
+        # might keep a Δ buffer they were given as scratch and write into it after its group.
         group_size = params[0].shape[0]
         held = (
             torch.device(device).type == "cpu"
             and adds_in_one_pass()
             and not algorithm.payload_like()
+            and type(algorithm).__module__.startswith("pflbench.")
         )
         buffers = 1 + math.ceil((TERMS_PER_PASS - 1) / group_size) if held else 1
         self.updates_outlive = (buffers - 1) * group_size
