@@ -355,6 +355,8 @@ def test_the_c_kernel_takes_only_what_it_adds_exactly():
         exact_sum_module._kernels.add_quantized(0, "h", 0, 0, 1.0, 1.0)
     with pytest.raises(ValueError, match="n >= 0"):
         exact_sum_module._kernels.add_quantized(0, "f", 0, -1, 1.0, 1.0)
+    with pytest.raises(ValueError, match="a factor for each term"):  # a second term's address alone
+        exact_sum_module._kernels.add_quantized(0, "f", 0, 0, 1.0, 1.0, 0)
 
 
 def test_scratch_is_narrow_only_on_a_gpu_for_narrow_terms_and_an_fp32_scale():
