@@ -102,10 +102,9 @@ class StepAggregator:
         """Constrain the update's sensitivity and add the result to the exact sum; returns what
         the mechanism saw of it (privacy/steps.py)."""
         started = time.perf_counter()
-        if self.scale_in_sum:
-            facts = self.mechanism.constrain_sensitivity(update, user, self.step, scale_in_sum=True)
-        else:
-            facts = self.mechanism.constrain_sensitivity(update, user, self.step)
+        # (an override of constrain_sensitivity need not take the keyword)
+        options = {"scale_in_sum": True} if self.scale_in_sum else {}
+        facts = self.mechanism.constrain_sensitivity(update, user, self.step, **options)
         if self.check_bound:  # measured by pflbench, not as the plug-in reports it
             facts["largest"] = check_within_clip_bound(self.mechanism, update, user, self.step)
         self.sum.add(update, facts.get("largest"), facts.get("pending"), held)

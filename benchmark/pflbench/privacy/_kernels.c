@@ -1,20 +1,21 @@
 /* Two one-pass CPU kernels for the per-user privacy path, each giving exactly the numbers of the
  * torch code it stands in for (privacy/aggregate.py, privacy/clipping.py). Built by setup.py where
- * a C compiler is found; without it pflbench runs that torch code. The passes are bound by memory,
- * so they run on one thread.
+ * a C compiler is found; without it pflbench runs that torch code. Each runs on one thread: one
+ * term's pass is bound by memory, where a second thread gained nothing.
  *
  * add_quantized: ExactSum's partial[i] += q((x[i]·factor)·scale), for an fp32 term rounded half to
  * even or an fp64 term rounded toward zero: the integers of torch's passes (multiply by clipping's
  * factor in the term's dtype, widen, scale, round, add), in one read of the term and one read and
  * write of the fp64 partial sum. An fp32 term's factor is rounded to fp32 first, as torch rounds
  * an fp32 factor tensor; times 1 the term is as it is. Up to four terms can share the pass: the
- * partial sum is read and written once for all, 60% less memory traffic per term for four. Rounding uses no libm call
- * (nearbyint and trunc are calls on baseline x86-64, ~5x the pass): for |y| <= 2^51,
- * (y + 1.5·2^52) - 1.5·2^52 is y rounded to an integer half to even, since the sum lies in
- * [2^52, 2^53), whose doubles are exactly the integers, IEEE addition rounds half to even (the
- * default mode, which nothing in the process changes) and 1.5·2^52 is even. The caller guarantees
- * the bound (ExactSum's integers are at most 2^42 at its default max_terms). A zero comes out +0
- * where torch's rounding gives -0: the partial sum, which starts at +0, is the same either way.
+ * partial sum is read and written once for all, 60% less memory traffic per term for four.
+ * Rounding uses no libm call (nearbyint and trunc are calls on baseline x86-64, ~5x the pass): for
+ * |y| <= 2^51, (y + 1.5·2^52) - 1.5·2^52 is y rounded to an integer half to even, since the sum
+ * lies in [2^52, 2^53), whose doubles are exactly the integers, IEEE addition rounds half to even
+ * (the default mode, which nothing in the process changes) and 1.5·2^52 is even. The caller
+ * guarantees the bound (ExactSum's integers are at most 2^42 at its default max_terms). A zero
+ * comes out +0 where torch's rounding gives -0: the partial sum, which starts at +0, is the same
+ * either way.
  *
  * layer_norms: the fp64 L2 norm of each fp32 tensor, summed in the order of ATen's CPU two-norm of
  * the tensor widened to fp64 (what clipping.layer_norms computes with torch): in 4 lanes, lane j
