@@ -222,20 +222,13 @@ def clip_update(
         raise ValueError("clip_update needs a non-empty update")
     tensors = list(update.values())
     norms = layer_norms(tensors) if norms is None else norms
-    factors = clip_factors(
-        norms,
-        [t.numel() for t in tensors],
-        [t.dtype for t in tensors],
-        clipping,
-        bound,
-        perlayer_mode,
-        perlayer_rule,
-    )
+    sizes, dtypes = tuple(t.numel() for t in tensors), tuple(t.dtype for t in tensors)
+    factors = clip_factors(norms, sizes, dtypes, clipping, bound, perlayer_mode, perlayer_rule)
     out = tensors if in_place else [t.clone() for t in tensors]
     pending = None
     if clipping != "none":
-        targets = scaled_bounds([t.numel() for t in tensors], clipping, bound, perlayer_mode)
-        pending = _scale(out, factors, targets)
+        relative = _bounds_round_relatively(sizes, dtypes, clipping, bound, perlayer_mode)
+        pending = _scale(out, factors, relative)
         if scale:
             apply_factors(out, pending)
             pending = None
@@ -266,7 +259,6 @@ def clip_factors(
     if perlayer_rule not in ("clip", "normalize"):
         raise ValueError(f"unknown per-layer rule {perlayer_rule!r}; expected clip or normalize")
     margin_list, errors = _margins_and_errors(tuple(sizes), tuple(dtypes))
-    margins = torch.tensor(margin_list, dtype=torch.float64, device=norms.device)
     total_norm = torch.linalg.vector_norm(norms, dim=-1, keepdim=True)
     # A norm measured within its error of the bound may be over it: such a layer is clipped too.
     over_total = total_norm > bound * (1 - max(errors))
@@ -279,6 +271,7 @@ def clip_factors(
         return torch.where(over_total, scale, 1.0).expand_as(norms).clone()
     if clipping == "perlayer":
         bounds = layer_bounds(sizes, bound, perlayer_mode).to(norms.device)
+        margins = torch.tensor(margin_list, dtype=torch.float64, device=norms.device)
         aims = (1 - margins) * bounds / norms.clamp_min(1e-300)
         if perlayer_rule == "clip":
             tolerance = 1 - torch.tensor(errors, dtype=torch.float64, device=norms.device)
@@ -377,6 +370,23 @@ def clip_examples(
     return ExampleClip(factors=factors, nonfinite=nonfinite)
 
 
+@cache
+def _bounds_round_relatively(
+    sizes: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...],
+    clipping: Literal["global", "perlayer"],
+    bound: float,
+    perlayer_mode: Literal["uniform", "dim"],
+) -> tuple[bool, ...]:
+    """Per layer of an update, `_bound_rounds_relatively` for its target in `scaled_bounds` (the
+    same shapes every client: found once, not per update)."""
+    targets = scaled_bounds(sizes, clipping, bound, perlayer_mode)
+    return tuple(
+        _bound_rounds_relatively(layer_bound, size, dtype)
+        for (layer_bound, size), dtype in zip(targets, dtypes, strict=True)
+    )
+
+
 def _bound_rounds_relatively(bound: float, size: int, dtype: torch.dtype) -> bool:
     """Whether `size` values of `dtype` scaled to within `bound` round within its relative
     margin: the values' own rounding in the subnormal range (absolute, up to tiny·eps/2 each)
@@ -393,23 +403,25 @@ def _factors_round_relatively(factors: float | Tensor, dtype: torch.dtype) -> bo
     return (factors == 1) | (factors == 0) | ((factors >= kind.tiny) & (factors < kind.max))
 
 
-def _scale(tensors: list[Tensor], factors: Tensor, targets: list[tuple[float, int]]) -> Tensor:
+def _scale(tensors: list[Tensor], factors: Tensor, relative: Sequence[bool]) -> Tensor:
     """Prepare to multiply each tensor by its factor where that is not 1, the result within its
-    target bound (over the given number of elements) exactly; returns the factors of the plain
-    multiplies still to do (`apply_factors`; 1 elsewhere).
+    target bound exactly; returns the factors of the plain multiplies still to do
+    (`apply_factors`; 1 elsewhere). `relative`: per tensor, whether its target's rounding is
+    relative (`_bounds_round_relatively`).
 
-    Where rounding is relative (`_bound_rounds_relatively`, `_factors_round_relatively`): a plain
+    Where rounding is relative, and so is the factor's (`_factors_round_relatively`): a plain
     multiply. Elsewhere rounding is absolute: the product is taken here, in fp64 and rounded
     toward zero, so no element grows."""
     toward_zero: list[int] = []
-    for i, (factor, (bound, size)) in enumerate(zip(factors.tolist(), targets, strict=True)):
+    factor_rounds: dict[tuple[float, torch.dtype], bool] = {}  # (one factor for all, globally)
+    for i, (factor, bound_rounds) in enumerate(zip(factors.tolist(), relative, strict=True)):
         if factor == 1.0:
             continue
         tensor = tensors[i]
-        if not (
-            _bound_rounds_relatively(bound, size, tensor.dtype)
-            and _factors_round_relatively(factor, tensor.dtype)
-        ):
+        key = (factor, tensor.dtype)
+        if key not in factor_rounds:
+            factor_rounds[key] = _factors_round_relatively(factor, tensor.dtype)
+        if not (bound_rounds and factor_rounds[key]):
             _scale_toward_zero(tensor, factor)
             toward_zero.append(i)
     if not toward_zero:
