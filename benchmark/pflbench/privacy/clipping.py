@@ -35,7 +35,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from typing import Literal
 
 import torch
@@ -370,7 +370,7 @@ def clip_examples(
     return ExampleClip(factors=factors, nonfinite=nonfinite)
 
 
-@cache
+@lru_cache(maxsize=16)  # (adaptive clipping moves the bound each step: a few kept, not all)
 def _bounds_round_relatively(
     sizes: tuple[int, ...],
     dtypes: tuple[torch.dtype, ...],
