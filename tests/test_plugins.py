@@ -27,7 +27,7 @@ from pflbench.privacy.mechanisms import check_within_clip_bound
 from pflbench.results.schema import load_record
 from pflbench.runner import RunOptions, run
 from pflbench.spec.models import ServerRecipe
-from pflbench.spec.resolve import resolve
+from pflbench.spec.resolve import ran_hash, resolve
 
 EXAMPLES = Path(__file__).parents[1] / "docs" / "examples"
 YOGI = EXAMPLES / "server_yogi.py"
@@ -367,6 +367,27 @@ def test_a_plugin_client_algorithm_runs_with_its_options_and_refuses_bad_ones(
         match="algorithm_options of 'scaled-sgd'(.|\n)*scale: Input should be a valid number",
     ):
         run(bad, out_dir=tmp_path / "bad", options=RunOptions(progress=False))
+    # A plug-in's options are a free mapping: `1e-3` (a string to YAML 1.1) is the number 0.001,
+    # so every spelling of it is one configuration, in a --set value as in a spec file.
+    spelled = [
+        resolve(
+            registry,
+            "synth-tiny-test",
+            "frozen-clients",
+            "none",
+            0,
+            [f"federated.client.algorithm_options.scale={scale}"],
+        )  # fmt: skip
+        for scale in ("1e-3", "1.0E-3", "0.001")
+    ]
+    assert {c.recipe.federated.client.algorithm_options["scale"] for c in spelled} == {0.001}
+    assert len({ran_hash(c.model_dump(mode="json")) for c in spelled}) == 1
+    spec_file = root / "baselines" / "frozen-clients.yaml"
+    as_written = spec_file.read_text()
+    spec_file.write_text(as_written.replace("scale: 0", "scale: 1e-3"))  # unquoted, as one writes
+    written = resolve(load_specs([root]), "synth-tiny-test", "frozen-clients", "none", 0)
+    assert written.recipe.federated.client.algorithm_options == {"scale": 0.001}
+    spec_file.write_text(as_written)
     config = resolve(registry, "synth-tiny-test", "frozen-clients", "none", 0,
                      ["federated.central_steps=2"])  # fmt: skip
     run_dir = run(config, out_dir=tmp_path / "run", options=RunOptions(progress=False))

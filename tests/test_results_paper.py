@@ -9,7 +9,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import yaml
 from typer.testing import CliRunner
 
 from pflbench.cli import app
@@ -23,7 +22,7 @@ from pflbench.results.paper import (
     sync_paper_records,
 )
 from pflbench.results.schema import compute_record_id
-from pflbench.spec.registry import load_registry
+from pflbench.spec.registry import dump_yaml, load_registry, load_yaml
 
 REPO = Path(__file__).parents[1]
 MAP = REPO / "results" / "paper" / TABLES_FILE
@@ -154,10 +153,10 @@ def _files():
 
 
 def _edited_map(tmp_path, edit) -> Path:
-    data = yaml.safe_load(MAP.read_text(encoding="utf-8"))
+    data = load_yaml(MAP.read_bytes())
     edit({(t["paper"], t["table"]): t for t in data["tables"]})
     path = tmp_path / TABLES_FILE
-    path.write_text(yaml.safe_dump(data, allow_unicode=True), encoding="utf-8")
+    path.write_text(dump_yaml(data), encoding="utf-8")
     return path
 
 

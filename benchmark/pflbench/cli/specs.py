@@ -7,7 +7,6 @@ from __future__ import annotations
 from pathlib import Path
 
 import typer
-import yaml
 from rich.table import Table
 
 from pflbench.cli.common import (
@@ -19,7 +18,7 @@ from pflbench.cli.common import (
     print_json,
 )
 from pflbench.errors import UserError
-from pflbench.spec.registry import Loaded, Registry
+from pflbench.spec.registry import Loaded, Registry, dump_yaml
 
 
 def _registry(specs: list[Path] | None, plugins: list[str] | None = None) -> Registry:
@@ -33,7 +32,7 @@ def _show(loaded: Loaded, as_json: bool, extra: dict | None = None) -> None:
         print_json({**data, **(extra or {}), "_source": info})
         return
     console.print(f"[bold]{loaded.spec.name}[/]  [dim]{loaded.path}[/]")
-    console.print(yaml.safe_dump({**data, **(extra or {})}, sort_keys=False, width=100))
+    console.print(dump_yaml({**data, **(extra or {})}, sort_keys=False, width=100))
 
 
 def source_name(source) -> str:
@@ -236,4 +235,4 @@ def register(app: typer.Typer) -> None:
         entry = matched_scale(paper, parameters, model_parameters(PAPER_PRESET), cohort)
         suffix = f"-cohort{cohort}" if cohort else ""
         entry = {"name": f"{name}-{preset}{suffix}-matched", **entry}
-        print_json(entry) if as_json else console.print(yaml.safe_dump([entry], sort_keys=False))
+        print_json(entry) if as_json else console.print(dump_yaml([entry], sort_keys=False))

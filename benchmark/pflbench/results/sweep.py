@@ -29,7 +29,7 @@ from pflbench.results.plots import PlotReport, plot_results, plot_run
 from pflbench.results.schema import ResultRecord, load_record, record_numerics_version
 from pflbench.results.submit import what_ran
 from pflbench.spec.names import safe_name
-from pflbench.spec.registry import Registry, format_validation_error
+from pflbench.spec.registry import Registry, dump_yaml, format_validation_error, load_yaml
 from pflbench.spec.resolve import canonical_json, resolve, set_values
 
 
@@ -95,7 +95,7 @@ class SweepFile(BaseModel):
 
 def load_sweep_file(path: Path) -> SweepFile:
     try:
-        return SweepFile.model_validate(yaml.safe_load(Path(path).read_text()))
+        return SweepFile.model_validate(load_yaml(Path(path).read_bytes()))
     except OSError as exc:
         raise UserError(f"{path}: cannot read the sweep file ({exc.strerror})") from None
     except yaml.YAMLError as exc:
@@ -295,7 +295,7 @@ def check_to_run(
 def write_sweep_file(path: Path, sweep: SweepFile, header: str) -> None:
     """`sweep` as YAML under a comment `header` (what wrote it and why)."""
     comment = "".join(f"# {line}\n" for line in header.splitlines())
-    body = yaml.safe_dump(
+    body = dump_yaml(
         sweep.model_dump(mode="json"), sort_keys=False, width=100, default_flow_style=None
     )
     Path(path).write_text(comment + body, encoding="utf-8")

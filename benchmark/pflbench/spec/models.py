@@ -38,8 +38,8 @@ def _not_a_bool(value: Any) -> Any:
 
 # The scalar types of every spec field. Pydantic's lax mode would read `cohort_size: true` as 1,
 # `steps: "8"` as 8 and `dp: 0` as false: ints and booleans take only their own YAML type.
-# A float takes a YAML int (lr: 1) and a numeric string (PyYAML reads `1e-3`, without a dot, as a
-# string), never a boolean, .inf or .nan.
+# A float takes a YAML int (lr: 1) and a numeric string (spec.registry reads `1e-3` as a number;
+# a spec built in Python may still hold the string), never a boolean, .inf or .nan.
 FiniteFloat = Annotated[float, AllowInfNan(False), BeforeValidator(_not_a_bool)]
 
 

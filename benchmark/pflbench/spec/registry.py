@@ -8,6 +8,7 @@ appear next to the built-in ones and a name clash is an error naming both files.
 from __future__ import annotations
 
 import hashlib
+import re
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -24,11 +25,27 @@ M = TypeVar("M", bound=BaseModel)
 
 
 # ----------------------------------------------------------------------------------------------
-# YAML with duplicate keys rejected (PyYAML silently keeps the last one).
+# YAML with duplicate keys rejected (PyYAML silently keeps the last one), and with YAML 1.2's
+# floats: PyYAML (YAML 1.1) reads `1e-3`, without a dot, as a string, which a typed field converts
+# but a plug-in's options (a free mapping) would keep, so that `lr: 1e-3` and `lr: 0.001` were two
+# configurations of one run. pflbench writes YAML by the same rule (`dump_yaml`: the string
+# "1e-3" quoted), so what it writes reads back as it was.
 
 
 class _StrictLoader(yaml.SafeLoader):
     pass
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+for _yaml_class in (_StrictLoader, _Dumper):
+    _yaml_class.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?[0-9][0-9_]*(?:\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+        list("-+0123456789"),
+    )
 
 
 def _mapping_without_duplicates(loader: _StrictLoader, node: yaml.MappingNode) -> dict:
@@ -50,13 +67,23 @@ _StrictLoader.add_constructor(
 )
 
 
+def load_yaml(text: str | bytes) -> Any:
+    """YAML as pflbench reads every spec, sweep and --set value (the loader above)."""
+    return yaml.load(text, Loader=_StrictLoader)
+
+
+def dump_yaml(data: Any, **options) -> str:
+    """`data` as YAML that `load_yaml` reads back as it is (`options`: yaml.dump's)."""
+    return yaml.dump(data, Dumper=_Dumper, allow_unicode=True, **options)
+
+
 def read_yaml(path: Path) -> tuple[Any, bytes]:
     try:
         data = path.read_bytes()
     except OSError as exc:  # a folder named x.yaml, a dangling link, no permission
         raise UserError(f"{path}: cannot read the spec file: {exc.strerror}") from None
     try:
-        return yaml.load(data, Loader=_StrictLoader), data
+        return load_yaml(data), data
     except yaml.YAMLError as exc:
         raise UserError(f"{path}: not valid YAML: {exc}") from None
 

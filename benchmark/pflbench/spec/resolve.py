@@ -11,7 +11,7 @@ import yaml
 
 from pflbench.errors import UserError
 from pflbench.spec.models import Recipe, RunConfig
-from pflbench.spec.registry import Registry, validate
+from pflbench.spec.registry import Registry, load_yaml, validate
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -38,7 +38,7 @@ def parse_set(assignments: list[str]) -> tuple[dict, dict[str, str]]:
                 f"--set {item!r}: expected key.path=value, e.g. federated.cohort_size=8"
             )
         try:
-            value = yaml.safe_load(raw) if raw.strip() else raw
+            value = load_yaml(raw) if raw.strip() else raw
         except yaml.YAMLError:
             value = raw
         node = nested
