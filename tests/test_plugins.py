@@ -377,7 +377,7 @@ def test_a_plugin_client_algorithm_runs_with_its_options_and_refuses_bad_ones(
             "none",
             0,
             [f"federated.client.algorithm_options.scale={scale}"],
-        )  # fmt: skip
+        )
         for scale in ("1e-3", "1.0E-3", "0.001")
     ]
     assert {c.recipe.federated.client.algorithm_options["scale"] for c in spelled} == {0.001}
