@@ -81,7 +81,9 @@ def install_kit() -> None:
     """The kit's wheels into /tmp/site (no index: the device reaches none)."""
     wheels = sorted(str(w) for w in (ROOT / ".device" / "kit").glob("*.whl"))
     if not wheels:
-        raise SystemExit("no kit in .device/kit: run scripts/device_kit.py here and carry .device")
+        raise SystemExit(
+            "no kit in .device/kit: build it (.venv/bin/python scripts/device_kit.py); carry it"
+        )
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
          "--no-cache-dir", "--upgrade", "--target", str(SITE), *wheels],

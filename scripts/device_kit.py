@@ -7,15 +7,19 @@ lacks travels as wheels with the working tree, which may weigh 64 MiB in all (th
 lacks, for its Python (3.12, manylinux x86-64), into `.device/kit/` (ignored by git), with
 wordfreq's word lists and espeak-ng's dictionaries cut to the languages the synthetic corpora
 speak (wordfreq's wheel is 55 MB, its English, French and German lists 7; espeak-ng's Russian
-dictionary alone is 8.5), and prints the kit's size beside the tree's.
+dictionary alone is 8.5) and wordfreq's lists cut to the words the corpora draw from them, and
+prints the kit's size beside the tree's.
 
-Here:    python scripts/device_kit.py
+Here:    .venv/bin/python scripts/device_kit.py   (pflbench's environment: it reads msgpack)
 There:   bash scripts/device_figures.sh bench|tests   (the device tool's run, carry [".device"])
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import gzip
+import hashlib
 import re
 import subprocess
 import sys
@@ -23,6 +27,7 @@ import tempfile
 import zipfile
 from pathlib import Path
 
+import msgpack
 from packaging.utils import canonicalize_name
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,20 +76,56 @@ OTHER_LANGUAGES = {
 }
 
 
+# wordfreq's lists of those languages: the corpora's vocabularies are the top few hundred words of
+# each (data.synth.vocabulary), so a list keeps only its first frequency bands, WORDS_KEPT words,
+# some KB instead of 1.5-3.6 MB; tests/test_device_kit.py checks the vocabularies drawn from the
+# cut lists are the full lists' own.
+WORD_LISTS = re.compile(r"wordfreq/data/\w+\.msgpack\.gz$")
+WORDS_KEPT = 4000
+
+
+def cut_word_list(data: bytes, words: int = WORDS_KEPT) -> bytes:
+    """A wordfreq list (gzipped msgpack: a header, then one list of words per frequency band, the
+    most frequent first) cut after the first bands that hold `words` words."""
+    header, *bands = msgpack.unpackb(gzip.decompress(data), raw=False)
+    kept, count = [], 0
+    for band in bands:
+        if count >= words:
+            break
+        kept.append(band)
+        count += len(band)
+    return gzip.compress(msgpack.packb([header, *kept], use_bin_type=True), mtime=0)
+
+
+def _record(record: bytes, drop: re.Pattern, rewritten: dict[str, bytes]) -> bytes:
+    """A wheel's RECORD (path,hash,size per line) without the dropped files' lines and with the
+    rewritten files' hashes and sizes: pip checks a wheel's files against it."""
+    lines = []
+    for line in record.decode().splitlines():
+        name = line.split(",")[0]
+        if name in rewritten:
+            digest = hashlib.sha256(rewritten[name]).digest()
+            line = f"{name},sha256={base64.urlsafe_b64encode(digest).rstrip(b'=').decode()},"
+            line += str(len(rewritten[name]))
+        if not drop.match(name):
+            lines.append(line)
+    return "\n".join(lines).encode() + b"\n"
+
+
 def trim(wheel: Path, pattern: str) -> None:
-    """Rewrite a wheel without the files `pattern` matches (and their RECORD lines)."""
+    """Rewrite a wheel without the files `pattern` matches and with its word lists cut."""
     drop = re.compile(pattern.format("|".join(LANGUAGES)))
+    with zipfile.ZipFile(wheel) as src:
+        files = {i.filename: (i, src.read(i)) for i in src.infolist() if not drop.match(i.filename)}
+    rewritten = {
+        name: cut_word_list(data) for name, (_, data) in files.items() if WORD_LISTS.match(name)
+    }
     with tempfile.NamedTemporaryFile(dir=wheel.parent, delete=False) as tmp:
-        with zipfile.ZipFile(wheel) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
-            for item in src.infolist():
-                if drop.match(item.filename):
-                    continue
-                data = src.read(item)
-                if item.filename.endswith(".dist-info/RECORD"):
-                    lines = data.decode().splitlines()  # path,hash,size
-                    kept = [x for x in lines if not drop.match(x.split(",")[0])]
-                    data = "\n".join(kept).encode() + b"\n"
-                dst.writestr(item, data)
+        with zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED) as dst:
+            for name, (item, data) in files.items():
+                if name.endswith(".dist-info/RECORD"):
+                    data = _record(data, drop, rewritten)
+                dst.writestr(item, rewritten.get(name, data))
     Path(tmp.name).replace(wheel)
 
 
@@ -101,13 +142,7 @@ def tree_bytes() -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--python-version", default="3.12", help="the device's Python")
-    parser.add_argument(
-        "--part", choices=["bench", "tests"], default="tests",
-        help="device_figures' part the kit is for: bench needs no corpus synthesis, so no "
-        "wordfreq (7 MiB; with it, kit and tree came to 63.4 MiB on 2026-11-28)",
-    )  # fmt: skip
     args = parser.parse_args()
-    packages = [p for p in PACKAGES if args.part == "tests" or p != "wordfreq"]
     KIT.mkdir(parents=True, exist_ok=True)
     for old in KIT.glob("*.whl"):
         old.unlink()
@@ -115,7 +150,7 @@ def main() -> None:
     subprocess.run(
         [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--only-binary=:all:",
          "--python-version", args.python_version, "--implementation", "cp", *platforms,
-         "-d", str(KIT), *pinned(packages)],
+         "-d", str(KIT), *pinned(PACKAGES)],
         check=True,
     )  # fmt: skip
     for prefix, pattern in OTHER_LANGUAGES.items():
