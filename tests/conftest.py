@@ -12,7 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from pflbench.numerics import NUMERICS_CHANGES, NUMERICS_SCOPES
 from pflbench.spec.models import DataSource, EvalSet, SyntheticData, Task
+
+# A numerics version whose runs, with DP or without, are stale now: one before the latest change
+# that touches every run (NUMERICS_SCOPES: later ones touch only some).
+STALE_NUMERICS = max(v for v in NUMERICS_CHANGES if v not in NUMERICS_SCOPES) - 1
 
 
 def tiny_synth_task(name: str = "synth-tiny-test") -> Task:

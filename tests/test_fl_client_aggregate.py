@@ -498,3 +498,69 @@ def test_a_recipe_setting_what_its_algorithm_ignores_is_refused():
     ):
         check_client_recipe(ClientRecipe(algorithm="fedsgd"))
     check_client_recipe(ClientRecipe(algorithm="fvn", variational_noise={"std": 0.1}))
+
+
+def test_the_noise_joins_the_exact_sum_so_the_release_depends_on_the_data_only_through_it():
+    """The release is a rounding of (exact sum + noise): moving one user's update by d and the
+    noise by -d/S gives bitwise the same average. Noise added after the sum is rounded fails
+    this (how the sum rounds depends on the other users, so one user could move the release by
+    more than C/S), whatever the noise's distribution."""
+    from pflbench.privacy.mechanisms import PRIVACY_MECHANISMS, PrivacyMechanism
+
+    class Preset(PrivacyMechanism):  # this test's noise: a given vector, drawn by nobody
+        preset: torch.Tensor
+
+        def add_noise(self, noise, step):
+            noise["w"].add_(self.preset)
+
+    PRIVACY_MECHANISMS.register("preset-noise-here", Preset)
+    users, width, shift = 4, 64, 2.0**-10  # shift/users and its multiples are exact
+    draws = [torch.Generator().manual_seed(i) for i in range(users)]
+    updates = [torch.rand(width, generator=draw) / 10 for draw in draws]
+    noise = torch.rand(width, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
+
+    def release(moved: float) -> torch.Tensor:
+        privacy = {"clip_bound": 1.0, "clipping": "global", "mechanism": "preset-noise-here"}
+        mechanism = make_mechanism(privacy, users, sigma_dp=0.5)
+        mechanism.preset = noise - moved / users
+        agg = StepAggregator({"w": torch.zeros(width)}, mechanism, 0, update_bound=10.0)
+        for index, update in enumerate(updates):
+            agg.add({"w": update + moved if index == 0 else update.clone()}, f"u{index}", 0, 1, 1)
+        return agg.finish()[0][0]
+
+    assert float(updates[0].norm()) + shift * width**0.5 < 1.0  # no update is clipped
+    same = [torch.equal(release(0.0), release(k * shift)) for k in range(1, 9)]
+    assert all(same), same
+
+
+def test_exact_sum_adds_noise_on_its_grid_alike_in_its_fp64_and_int64_buffers():
+    like = {"a": torch.zeros(3, 5), "b": torch.zeros(7)}
+    terms = [{n: torch.randn(t.shape) for n, t in like.items()} for _ in range(3)]
+    results = []
+    for flushed in (False, True):
+        exact = ExactSum(like, max_abs=10.0)
+        for term in terms:
+            exact.add({n: t.clone() for n, t in term.items()})
+        if flushed:
+            exact.buffers()  # the int64 sum, as before an all-reduce
+        with_noise = exact.noise_buffers()
+        assert all(t.dtype == torch.float64 and not t.any() for t in with_noise.values())
+        for tensor in with_noise.values():
+            tensor.add_(torch.full(tensor.shape, 0.25))
+        exact.add_noise(3.0)  # 0.25 on the average of 3 terms: 0.75 on the sum
+        results.append(exact.result(torch.float64))
+    for name, term_sum in ((n, sum(t[n].double() for t in terms)) for n in like):
+        torch.testing.assert_close(results[0][name], term_sum + 0.75)
+        assert torch.equal(results[0][name], results[1][name])
+
+
+def test_exact_sum_refuses_noise_it_was_not_given_or_cannot_hold():
+    exact = ExactSum({"w": torch.zeros(4)}, max_abs=1.0)
+    with pytest.raises(ValueError, match="noise_buffers"):
+        exact.add_noise(1.0)
+    exact.noise_buffers()["w"].fill_(float("nan"))
+    with pytest.raises(ValueError, match="beyond its range"):
+        exact.add_noise(1.0)
+    exact.noise_buffers()["w"].fill_(2.0**30)  # ×2^42 on the grid of max_abs 1: past 2^62
+    with pytest.raises(ValueError, match="beyond its range"):
+        exact.add_noise(1.0)

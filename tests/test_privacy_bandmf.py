@@ -275,10 +275,20 @@ def test_submit_re_accounts_a_bandmf_record_and_catches_a_tampered_one():
 
 
 def test_a_bandmf_step_through_the_aggregator_clips_then_adds_the_correlated_noise():
-    """The aggregator is unchanged for BandMF: the Gaussian clipping, then BandMF's add_noise."""
-    mechanism = make_mechanism(bandmf(2, clip_bound=1.0), 10, 0.0, cohort=2, sampling="poisson")
-    aggregator = StepAggregator({"w": torch.zeros(2)}, mechanism, 0, 10.0)
-    aggregator.add({"w": torch.tensor([3.0, 4.0])}, "u0", 0.0, 1, 1)
-    grads, _ = aggregator.finish()
-    torch.testing.assert_close(grads[0], torch.tensor([0.6, 0.8]) / mechanism.denominator)
-    assert mechanism.next_step == 1
+    """The aggregator is unchanged for BandMF: the Gaussian clipping, then BandMF's add_noise
+    (only under DP: without noise it keeps no history)."""
+    for sigma in (0.0, 0.3):
+        mechanism = make_mechanism(
+            bandmf(2, clip_bound=1.0), 10, sigma, cohort=2, sampling="poisson"
+        )
+        twin = make_mechanism(bandmf(2, clip_bound=1.0), 10, sigma, cohort=2, sampling="poisson")
+        aggregator = StepAggregator({"w": torch.zeros(2)}, mechanism, 0, 10.0)
+        aggregator.add({"w": torch.tensor([3.0, 4.0])}, "u0", 0.0, 1, 1)
+        grads, _ = aggregator.finish()
+        noise = {"w": torch.zeros(2, dtype=torch.float64)}
+        if sigma:
+            twin.add_noise(noise, 0)
+        expected = torch.tensor([0.6, 0.8], dtype=torch.float64) / mechanism.denominator
+        torch.testing.assert_close(grads[0], (expected + noise["w"]).float())
+        assert bool(noise["w"].abs().min() > 0) == bool(sigma)
+        assert mechanism.next_step == (1 if sigma else 0)

@@ -7,6 +7,8 @@ from typing import ClassVar
 import pytest
 import torch
 from conftest import make_mechanism
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pflbench.errors import UserError
 from pflbench.fl.aggregate import StepAggregator
@@ -14,7 +16,14 @@ from pflbench.methods import check_recipe
 from pflbench.privacy.accountants import compute_epsilon
 from pflbench.privacy.accounting import SampledGaussian
 from pflbench.privacy.mechanisms import PRIVACY_MECHANISMS, PrivacyMechanism
-from pflbench.privacy.sampling import expected_cohort, sample_cohort
+from pflbench.privacy.sampling import (
+    RATE_GRID,
+    expected_cohort,
+    poisson_threshold,
+    sample_cohort,
+    sampling_rate,
+)
+from pflbench.seeds import keyed_generator
 from pflbench.spec.models import AdaptiveClip, PrivacyRecipe, Recipe
 
 K, S = 50, 8
@@ -29,6 +38,31 @@ def test_the_gaussian_mechanism_samples_and_averages_as_the_paper(sampling):
     assert mechanism.denominator == (expected_cohort(K, S) if sampling == "poisson" else S)
     description = PrivacyMechanism.describe(PrivacyRecipe(), 0.8, K, S, 30)
     assert description == SampledGaussian(0.8, S / K, 30)
+
+
+def test_poisson_draws_are_on_a_2_to_the_minus_24_grid_so_their_rate_is_below_q_once_rounded():
+    """Each user's inclusion probability is at most the q the accountant is given: torch's fp32
+    uniform draws are the multiples k·2^-24, k < 2^24 (checked here, as the premise), so `draw <
+    t` holds with probability t for t on that grid, and the threshold is q rounded down onto it.
+    Compared with q itself, 10/1200 = 139810.13·2^-24 would include a user with probability
+    139811·2^-24 > q."""
+    draws = torch.rand(1 << 22, generator=torch.Generator().manual_seed(3)).double() / RATE_GRID
+    assert torch.equal(draws, draws.round()) and 0 <= draws.min() and draws.max() < 2**24
+    q = sampling_rate(1200, 10)
+    assert poisson_threshold(q) < q < poisson_threshold(q) + RATE_GRID
+    # Seed 0's step 17159 draws exactly that grid point for user 362 (found by search): the
+    # sampler leaves the user out, as it does with the probability 2^-24 of that draw.
+    draws = torch.rand(1200, generator=keyed_generator(0, 17159, "cohort"))
+    assert float(draws[362]) == poisson_threshold(q)
+    assert 362 not in sample_cohort(1200, 10, "poisson", 0, 17159).tolist()
+
+
+@given(st.integers(1, 10**6), st.integers(1, 10**4))
+def test_the_poisson_threshold_is_the_largest_grid_point_at_most_q(population, cohort):
+    q = sampling_rate(population, cohort)
+    threshold = poisson_threshold(q)
+    assert threshold <= q < threshold + RATE_GRID
+    assert (threshold / RATE_GRID).is_integer()
 
 
 def test_the_average_is_divided_by_exactly_min_s_k():

@@ -9,11 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import STALE_NUMERICS
 from typer.testing import CliRunner
 
 from pflbench.cli import app
 from pflbench.errors import UserError
-from pflbench.numerics import NUMERICS_VERSION
+from pflbench.numerics import NUMERICS_SCOPES, NUMERICS_VERSION
 from pflbench.results.bench import synthetic_record
 from pflbench.results.leaderboard import (
     VERIFICATION_FILE,
@@ -295,7 +296,7 @@ def test_a_declared_matrix_must_be_filed_whole(tmp_path):
     # A seed run by code of older numerics is stale work: it does not fill its place.
     seed_1 = files[(1, ())].read_text()
     stale = json.loads(seed_1)
-    stale["software"]["numerics_version"] = NUMERICS_VERSION - 1
+    stale["software"]["numerics_version"] = STALE_NUMERICS
     stale["record_id"] = compute_record_id(stale)
     files[(1, ())].unlink()
     stale_file = files[(1, ())].with_name(f"{stale['record_id']}.json")
@@ -585,3 +586,29 @@ def test_two_spellings_of_one_set_value_are_one_row_named_one_way():
     for restated_id in ("0" * 16, "f" * 16):
         (merged,) = group_rows([plain, restated.model_copy(update={"record_id": restated_id})])
         assert row_label(merged.first) == plain.baseline and len(merged.records) == 2
+
+
+def test_a_numerics_change_of_some_runs_leaves_the_others_current():
+    """v4 changed the numbers of runs with user-level DP noise only: a v3 run without it has
+    today's numbers (current: its row stands with today's runs), one with it is stale; a run
+    older than the last change to every run is stale either way."""
+    from pflbench.numerics import current_numerics
+    from pflbench.results.schema import record_numerics_version
+
+    records = load_results(REPO / "results")
+    record = next(r for r in records if r.kind == "run" and r.privacy and not r.privacy.dp)
+    assert NUMERICS_SCOPES[4] == "user-dp" and NUMERICS_VERSION >= 4
+    assert current_numerics(3, user_dp=False) == NUMERICS_VERSION
+    assert current_numerics(3, user_dp=True) == 3
+    assert current_numerics(STALE_NUMERICS, user_dp=False) == STALE_NUMERICS
+    for version, dp, unit, expected in [
+        (3, False, "user", NUMERICS_VERSION),
+        (3, True, "user", 3),
+        (3, True, "pseudo-user", 3),
+        (3, True, "example", NUMERICS_VERSION),  # example-level DP-SGD: not the aggregator's
+        (STALE_NUMERICS, False, "user", STALE_NUMERICS),
+    ]:
+        edited = record.model_copy(deep=True)
+        edited.software.numerics_version = version
+        edited.privacy.dp, edited.privacy.unit = dp, unit
+        assert record_numerics_version(edited) == expected, (version, dp, unit)

@@ -11,13 +11,13 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import STALE_NUMERICS
 from test_results_verify import copy_run, data, registry, rewrite_record, specs  # noqa: F401
 from test_run import TASK, specs_dir  # noqa: F401  (fixture)
 from typer.testing import CliRunner
 
 from pflbench.cli import app
 from pflbench.errors import UserError
-from pflbench.numerics import NUMERICS_VERSION
 from pflbench.results.reproduce import (
     RERUN_TOLERANCE,
     compare_rerun,
@@ -191,7 +191,7 @@ def test_a_stale_row_is_not_re_run(runs):
     why = why_not_rerunnable(older_task, False, version)
     assert why == f"run on task version {version - 1}; the task is version {version} now"
     older_code = record.model_copy(deep=True)
-    older_code.software.numerics_version = NUMERICS_VERSION - 1
+    older_code.software.numerics_version = STALE_NUMERICS
     assert "numerics version" in why_not_rerunnable(older_code, False, version)
     assert why_not_rerunnable(older_code, False, None) is not None
 

@@ -8,10 +8,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import STALE_NUMERICS
 from typer.testing import CliRunner
 
 from pflbench.cli import app
 from pflbench.errors import UserError
+from pflbench.numerics import NUMERICS_VERSION
 from pflbench.results.schema import compute_record_id, load_record
 from pflbench.results.stats import difference_interval, unchecked_seed_models, wer_interval
 
@@ -215,14 +217,13 @@ def test_compare_names_each_row_as_the_leaderboard_does_and_says_what_it_measure
         "records": [older],
     }
     assert found[0]["b"]["records"] == [ours] and found[0]["noise"].startswith("speaker")
-    numerics = data["software"]["numerics_version"]
-    older_code = _filed_copy(tmp_path, data, software__numerics_version=numerics - 1)
+    older_code = _filed_copy(tmp_path, data, software__numerics_version=STALE_NUMERICS)
     shown = _compare(tmp_path, older_code, ours, "--json")
-    assert f"A ran code of numerics v{numerics - 1}, B v{numerics}" in " ".join(
+    assert f"A ran code of numerics v{STALE_NUMERICS}, B v{NUMERICS_VERSION}" in " ".join(
         shown.stderr.split()
     )
     assert json.loads(shown.stdout)[0]["a"]["row"].startswith(
-        f"fedavg ⚠ stale (numerics v{numerics - 1}) / none"
+        f"fedavg ⚠ stale (numerics v{STALE_NUMERICS}) / none"
     )
     # One side of two configurations: the error names what differs.
     refused = _compare(tmp_path, f"{ours},{cohort}", ours)

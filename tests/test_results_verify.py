@@ -14,11 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import STALE_NUMERICS
 from test_run import TASK, specs_dir  # noqa: F401  (fixture)
 
 from pflbench.digests import tensors_digest
 from pflbench.errors import UserError
-from pflbench.numerics import NUMERICS_VERSION
 from pflbench.privacy.run import privacy_claim
 from pflbench.results.leaderboard import load_result_files, render_leaderboard
 from pflbench.results.rescore import DataOptions, rescored
@@ -321,7 +321,7 @@ def test_verify_refuses_a_run_of_older_numerics_by_name(honest_run, tmp_path, da
     """A run whose code decoded otherwise (numerics) cannot re-evaluate to its own transcripts:
     verify says why instead of reporting a transcript mismatch."""
     run_dir = copy_run(honest_run, tmp_path)
-    older = NUMERICS_VERSION - 1
+    older = STALE_NUMERICS
     rewrite_record(run_dir, lambda raw: raw["software"].update(numerics_version=older))
     with pytest.raises(UserError, match=f"numerics version {older}, this pflbench as"):
         verify_run(run_dir, "cpu", data)

@@ -20,13 +20,33 @@ from pathlib import Path
 # config, data and packages. Records state it; the leaderboard marks rows run with an older one
 # stale, with the reason below, and submit files them only with --stale. A bump turns every filed
 # run stale: `pflbench results pin-stale` pins them (sweeps/stale-records.txt) before CI passes.
-NUMERICS_VERSION = 3
+NUMERICS_VERSION = 4
 NUMERICS_CHANGES = {
     2: "clipping exact in fp32/bf16/fp16 (fp64 norms, a proven margin), LAMB/LARS trust ratios"
     " from fp64 norms, LARS's ξ = 1e-6, and one keyed-seed function for every random stream",
     3: "transcripts with whitespace normalized as references are (CER counted a space the best"
     " path emitted at either end or twice in a row)",
+    4: "user-level DP noise added to the exact sum before anything is rounded (it went onto the"
+    " average once rounded to fp32, so one user could move the release by more than C/S), and"
+    " Poisson inclusion at most q (draws compared with q rounded down onto their 2^-24 grid; a"
+    " run without user-level DP changes only where a draw fell on that point, none of the filed"
+    " ones)",
 }
+# The runs a change's numbers differ in, where not every run: "user-dp", runs with user-level DP
+# noise. A run of an older version that no later change touches has today's numbers.
+NUMERICS_SCOPES = {4: "user-dp"}
+
+
+def current_numerics(version: int, user_dp: bool) -> int:
+    """The numerics version whose numbers a run of `version` has: the latest one reached
+    without a change since that touches runs like it (NUMERICS_SCOPES)."""
+    while version < NUMERICS_VERSION:
+        scope = NUMERICS_SCOPES.get(version + 1)
+        if scope is None or (scope == "user-dp" and user_dp):
+            break
+        version += 1
+    return version
+
 
 # Distributions whose versions can change a number: audio decoding and resampling, speech and
 # text synthesis, WER, the accountants (torch's is the record's torch_version).

@@ -3,12 +3,14 @@
 Per client: the run's privacy mechanism (privacy/mechanisms) constrains the update's sensitivity
 (zero a non-finite update, clip it to C_t, client-side noise if placed there) and the result goes
 into an exact fixed-point sum. At the end of the step the sums are all-reduced across processes,
-divided by the mechanism's denominator (the expected cohort), and the mechanism adds its noise
-once and releases what it releases beside the average (adaptive clipping's fraction of users
-within C_t). The aggregator itself keeps only the exact sum and named statistics. Memory is one
-sum buffer of the model's size, whatever the cohort; the fixed-point sum makes the result bitwise
-independent of client order and of the number of processes. The small stats tensor stays on the
-CPU (it is all-reduced over gloo, see fl.distributed).
+the mechanism's noise on the average, times its denominator (the expected cohort), is added to
+the exact sum before anything is rounded (ExactSum.add_noise), the result is divided by the
+denominator, and the mechanism releases what it releases beside the average (adaptive
+clipping's fraction of users within C_t). The aggregator itself keeps only the exact sum and
+named statistics. Memory is one sum buffer of the model's size, whatever the cohort; the
+fixed-point sum makes the result bitwise independent of client order and of the number of
+processes. The small stats tensor stays on the CPU (it is all-reduced over gloo, see
+fl.distributed).
 """
 
 from __future__ import annotations
@@ -122,11 +124,13 @@ class StepAggregator:
         mechanism = self.mechanism
         participants = float(stats[0]) + float(stats[CANARIES])
         mechanism.check_clients(participants)
+        # With client-side noise the noiseless average never exists anywhere.
+        norm_before = None if mechanism.client_noise else self.sum.norm() / mechanism.denominator
+        if mechanism.noises_average:  # onto the exact sum, before anything is rounded
+            mechanism.add_noise(self.sum.noise_buffers(), self.step)
+            self.sum.add_noise(mechanism.denominator)
         averaged = self.sum.result(torch.float32)
         grads = [averaged[n].div_(mechanism.denominator) for n in self.names]
-        # With client-side noise the noiseless average never exists anywhere.
-        norm_before = None if mechanism.client_noise else _global_norm(grads)
-        mechanism.add_noise(averaged, self.step)  # in place: its tensors are `grads`
         report = self._report(stats, norm_before, _global_norm(grads))
         report |= mechanism.end_step(float(stats[WITHIN]), participants, self.step)
         return grads, report

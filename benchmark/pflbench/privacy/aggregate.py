@@ -82,6 +82,7 @@ class ExactSum:
         # A CPU's scratch is one block (module docstring), a GPU's the whole term.
         self._block = max(1, min(total, CPU_BLOCK)) if self._device.type == "cpu" else None
         self._scaled: Tensor | None = None  # made by restart, in the dtype the scale allows
+        self._noise: Tensor | None = None  # made by noise_buffers
         self.restart(max_abs)
 
     def restart(self, max_abs: float) -> None:
@@ -99,6 +100,7 @@ class ExactSum:
         # A term's integers are at most `largest_integer` in magnitude (the rounding of a value
         # at most max_abs·scale), so fp64 sums `terms_per_partial` of them exactly.
         largest_integer = math.ceil(self.max_abs * self.scale)
+        self._largest_integer = largest_integer
         self.terms_per_partial = max(1, 2**FP64_EXACT_BITS // largest_integer)
         self._kernel_adds = (  # (a small max_terms leaves integers beyond the kernel's range)
             _kernels is not None
@@ -298,6 +300,49 @@ class ExactSum:
         assert self._sum is not None
         return [self._sum]
 
+    def norm(self) -> float:
+        """The L2 norm of the sum so far (fp64)."""
+        self._check_open()
+        self._add_held()
+        if self._sum is None:
+            return float(torch.linalg.vector_norm(self._partial)) / self.scale
+        self._flush()
+        return float(torch.linalg.vector_norm(self._sum.to(torch.float64))) / self.scale
+
+    def noise_buffers(self) -> dict[str, Tensor]:
+        """Zeroed fp64 tensors shaped like the terms (one buffer, reused from sum to sum), for
+        the noise `add_noise` adds to this sum."""
+        if self._noise is None:
+            self._noise = torch.zeros_like(self._partial)
+        else:
+            self._noise.zero_()
+        return self._per_tensor_views(self._noise)
+
+    def add_noise(self, multiplier: float) -> None:
+        """Add what `noise_buffers` hold, times `multiplier` (the noise on an average times its
+        denominator: the noise on the sum), rounded onto the sum's grid: what `result` then
+        returns is a rounding of the exact sum plus noise no user's data moves (post-processing
+        of the Gaussian mechanism). Noise added to an already rounded sum is not: how the sum
+        rounds (to fp32, or to fp64 past 2^53) depends on the other users, so one user could move
+        the release by more than their bound, up to ~2^-24 of the sum per element."""
+        self._check_open()
+        self._add_held()
+        noise = self._noise
+        if noise is None:
+            raise ValueError("add_noise adds what noise_buffers hold: call it first")
+        noise.mul_(multiplier * self.scale).round_()  # the noise's own rounding: no user's data
+        largest = float(noise.abs().max()) if noise.numel() else 0.0
+        if not largest < 2.0**INT_BUDGET_BITS:  # (NaN too) the sum's int64 range
+            raise ValueError(
+                f"noise of magnitude {largest / self.scale:.6g} on the sum, beyond its range"
+            )
+        fits = self._partial_terms * self._largest_integer + largest <= 2.0**FP64_EXACT_BITS
+        if self._sum is None and fits:
+            self._partial.add_(noise)  # integers, the sum within 2^53: exact
+        else:
+            self._flush()
+            self._sum.add_(noise.to(torch.int64))
+
     def result(self, dtype: torch.dtype = torch.float32) -> dict[str, Tensor]:
         """The sum, in `dtype`, per tensor. It ends the sum: the values may lie in its buffers."""
         self._check_open()
@@ -308,7 +353,10 @@ class ExactSum:
         else:
             self._flush()
             values = self._sum.to(torch.float64).div_(self.scale)
-        pieces = values.to(dtype).split(self._sizes)
+        return self._per_tensor_views(values.to(dtype))
+
+    def _per_tensor_views(self, flat: Tensor) -> dict[str, Tensor]:
+        pieces = flat.split(self._sizes)
         return {
             name: piece.view(shape)
             for name, piece, shape in zip(self._names, pieces, self._shapes, strict=True)

@@ -21,13 +21,13 @@ chunk of examples:
    N(0, z²C²) from the step's generator (`max_grad_norm` is C itself, also per layer, where
    opacus' DPPerLayerOptimizer would take the fp32 norm of the fp32-rounded C_h) and divides by B.
 
-What the sensitivity argument needs is each example's contribution, as the mechanism adds it,
-within C: that is the stored c_i, bounded exactly. Rounding after it cannot make an example's
-contribution exceed C, but it makes the released value differ from the exact Σ c_i + noise: the
-fp32 sum rounds each partial sum (by ~2^-24 relative of the sum, not of one example's share), the
-Gaussian is sampled in floating point (opacus' secure_mode addresses that; unused here, as in the
-user-level path) and the division by B rounds. Those are floating-point effects of the noised
-release itself, outside the clipping bound, as for the user-level mechanism's noise.
+What the sensitivity argument needs is the released value to be a post-processing of the exact
+Σ c_i plus noise, each c_i within C. Here it is not quite: the fp32 sum rounds each partial sum
+(by ~2^-24 relative of the sum, not of one example's share) *before* opacus adds the noise, and
+how a sum rounds depends on the other examples, so one example can move the release by slightly
+more than C (the user-level mechanism adds its noise onto its exact sum instead,
+fl.aggregate/ExactSum.add_noise; this path does not yet). The Gaussian is also sampled in
+floating point (opacus' secure_mode addresses that; unused here, as in the user-level path).
 """
 
 from __future__ import annotations

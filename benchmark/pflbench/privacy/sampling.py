@@ -5,6 +5,7 @@ here."""
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import torch
@@ -15,6 +16,18 @@ from pflbench.seeds import keyed_generator
 def sampling_rate(population: int, cohort_size: int) -> float:
     """q = S/K (capped at 1): the Poisson rate the accountant assumes."""
     return min(1.0, cohort_size / population)
+
+
+# torch.rand's fp32 draws are multiples of 2^-24, so `draw < q` includes a user with probability
+# ⌈q·2^24⌉/2^24, above the q the accountant is given unless q·2^24 is whole.
+RATE_GRID = 2.0**-24
+
+
+def poisson_threshold(rate: float) -> float:
+    """What a uniform fp32 draw is compared with to include a user with probability at most
+    `rate`: `rate` rounded down onto the draws' grid, so the probability is ⌊q·2^24⌋/2^24 ≤ q
+    (at most 2^-24 less)."""
+    return math.floor(rate / RATE_GRID) * RATE_GRID
 
 
 def expected_cohort(population: int, cohort_size: int) -> float:
@@ -33,13 +46,14 @@ def sample_cohort(
 ) -> torch.Tensor:
     """Indices (sorted, int64) of the users taking part in central step `step`.
 
-    Poisson: each user independently with probability q = S/K (the cohort size varies).
+    Poisson: each user independently with probability q = S/K, at most (poisson_threshold; the
+    cohort size varies).
     Fixed: exactly min(S, K) users without replacement.
     """
     generator = keyed_generator(seed, step, "cohort")
     if sampling == "poisson":
         q = sampling_rate(population, cohort_size)
-        chosen = torch.rand(population, generator=generator) < q
+        chosen = torch.rand(population, generator=generator) < poisson_threshold(q)
         return chosen.nonzero().flatten()
     if sampling == "fixed":
         order = torch.randperm(population, generator=generator)

@@ -21,7 +21,8 @@ in fp32, six times cheaper, and falls back to fp64 only to tell a NaN/Inf from a
 the exact sum skips its own range pass when the bound already proves the range (None: unknown,
 the sum checks).
 
-Aggregate steps change the averaged update once: AddServerNoise adds N(0, (C·σ)²). Adaptive
+Aggregate steps make the averaged update's noise once: AddServerNoise adds N(0, (C·σ)²) to the
+buffers the aggregator then adds to the exact sum (PrivacyMechanism.add_noise). Adaptive
 clipping also releases the fraction of users within the bound (ReleaseUnclippedFraction), a
 separate release of a count, not of the update. Steps that draw noise take the central step, which
 keys their stream. `privacy_steps` builds them all from the recipe: it is the only place that
@@ -66,9 +67,9 @@ class UserStep(Protocol):
 
 
 class AggregateStep(Protocol):
-    """Changes the averaged update of central step `step` in place."""
+    """Adds to the noise on the averaged update of central step `step`, in place."""
 
-    def apply(self, average: dict[str, Tensor], step: int) -> None: ...
+    def apply(self, noise: dict[str, Tensor], step: int) -> None: ...
 
 
 # ----------------------------------------------------------------------------------------------
@@ -189,15 +190,16 @@ def _largest(norms: Tensor) -> float:
 
 @dataclass(frozen=True)
 class AddServerNoise:
-    """Add N(0, std²) once to the averaged update, from this step's server stream."""
+    """Add N(0, std²) once to the averaged update (to the noise the aggregator adds to the exact
+    sum: PrivacyMechanism.add_noise), from this step's server stream."""
 
     std: float
     seed: int
     device: str
 
-    def apply(self, average: dict[str, Tensor], step: int) -> None:
+    def apply(self, noise: dict[str, Tensor], step: int) -> None:
         generator = noise_generator(self.seed, step, device=self.device)
-        add_gaussian_noise(average, self.std, generator)
+        add_gaussian_noise(noise, self.std, generator)
 
 
 @dataclass(frozen=True)

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pflbench.errors import UserError
+from pflbench.numerics import current_numerics
 from pflbench.spec.names import NAME_PATTERN
 from pflbench.spec.registry import format_validation_error
 from pflbench.spec.resolve import canonical_json
@@ -511,5 +512,8 @@ def schema_json() -> str:
 
 
 def record_numerics_version(record: ResultRecord) -> int:
-    """The numerics version a run's code had (records from before it was stated: 1)."""
-    return record.software.numerics_version or 1
+    """The numerics version whose numbers a run's are: its code's (records from before it was
+    stated: 1), or a later one no change since touches runs like it (numerics.current_numerics)."""
+    privacy = record.privacy
+    user_dp = privacy is not None and privacy.dp and privacy.unit != "example"
+    return current_numerics(record.software.numerics_version or 1, user_dp)

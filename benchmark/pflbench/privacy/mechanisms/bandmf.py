@@ -45,6 +45,7 @@ from pflbench.privacy.mechanisms.base import (
     PrivacyMechanism,
 )
 from pflbench.privacy.noise import noise_generator, server_noise_std
+from pflbench.privacy.sampling import poisson_threshold
 from pflbench.seeds import keyed_generator, keyed_seed
 from pflbench.spec.models import PrivacyRecipe, Recipe, Strict
 
@@ -189,10 +190,10 @@ class BandMF(PrivacyMechanism):
         generator = keyed_generator(self.context.seed, step, "cohort")
         draws = torch.rand(len(self.context.users), generator=generator)
         eligible = self.groups == step % self.options.bands
-        return (eligible & (draws < self.rate)).nonzero().flatten()
+        return (eligible & (draws < poisson_threshold(self.rate))).nonzero().flatten()
 
-    def add_noise(self, average: dict[str, torch.Tensor], step: int) -> None:
-        """average += C_clip·σ·ẑ_t, ẑ_t = z_t - Σ_k r_k ẑ_{t-k} with z_t ~ N(0, I) drawn like the
+    def add_noise(self, noise: dict[str, torch.Tensor], step: int) -> None:
+        """noise += C_clip·σ·ẑ_t, ẑ_t = z_t - Σ_k r_k ẑ_{t-k} with z_t ~ N(0, I) drawn like the
         Gaussian mechanism's (fp32, per tensor in order, from the step's server stream)."""
         if step != self.next_step:
             raise ValueError(
@@ -205,12 +206,12 @@ class BandMF(PrivacyMechanism):
         generator = noise_generator(self.context.seed, step, device=self.context.device)
         fresh = {
             name: torch.randn(t.shape, generator=generator, dtype=torch.float32, device=t.device)
-            for name, t in average.items()
+            for name, t in noise.items()
         }
         for r, past in zip(self.coefficients[1:], reversed(self.history), strict=False):
             torch._foreach_add_(list(fresh.values()), [past[n] for n in fresh], alpha=-r)
         self.history.append(fresh)
-        for name, tensor in average.items():
+        for name, tensor in noise.items():
             tensor.add_(fresh[name], alpha=self.std)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

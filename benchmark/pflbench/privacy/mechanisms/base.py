@@ -5,7 +5,9 @@ everything DP about a central step t:
     cohort(t)                              which users take part (what the accountant assumes)
     constrain_sensitivity(Δ, user, t)      per user, before the exact sum: a NaN/Inf update
                                            zeroed, clipped to C_t, client noise if placed there
-    add_noise(average, t)                  once, on the exact sum divided by `denominator`
+    add_noise(noise, t)                    once: the step's noise on the average (the exact sum
+                                           over `denominator`), into zeroed fp64 buffers the
+                                           aggregator adds to the exact sum before rounding
     end_step(within, participants, t)      what it releases beside the average (adaptive
                                            clipping's noised fraction within C_t), and C_{t+1}
     state_dict() / load_state_dict()       its state, for an exact resume
@@ -178,10 +180,19 @@ class PrivacyMechanism:
                 f" average's noise std is C·σ_DP), got {clients:g}: use fixed-size cohorts"
             )
 
-    def add_noise(self, average: dict[str, torch.Tensor], step: int) -> None:
-        """Noise the average (sum over `denominator`) of step `step` in place."""
+    @property
+    def noises_average(self) -> bool:
+        """Whether the average gets noise (add_noise): under DP, unless the clients add it."""
+        return self.context.sigma_dp > 0 and not self.client_noise
+
+    def add_noise(self, noise: dict[str, torch.Tensor], step: int) -> None:
+        """Add step `step`'s noise on the average (the sum over `denominator`) to `noise` in
+        place: zeroed fp64 tensors shaped like the average, which the aggregator adds, times the
+        denominator, to the exact sum before anything is rounded (ExactSum.add_noise). A
+        mechanism never sees the average itself: noise added to it once rounded would let one
+        user move the release by more than C/denominator."""
         for aggregate_step in self.steps.aggregate:
-            aggregate_step.apply(average, step)
+            aggregate_step.apply(noise, step)
 
     def end_step(self, within: float, participants: float, step: int) -> dict:
         """After the noise: the statistics the mechanism releases beside the average (adaptive
