@@ -612,3 +612,36 @@ def test_a_numerics_change_of_some_runs_leaves_the_others_current():
         edited.software.numerics_version = version
         edited.privacy.dp, edited.privacy.unit = dp, unit
         assert record_numerics_version(edited) == expected, (version, dp, unit)
+
+
+def test_retire_replaced_removes_a_run_of_older_numerics_once_its_row_is_filed_again(tmp_path):
+    """A row run by code whose numerics changed since stands in, stale, until today's code has
+    filed every one of its seeds; then it leaves (and the pin list with it)."""
+    from pflbench.results.sweep import replaced_records
+
+    registry = load_registry([FX_SPECS])
+    root = tmp_path / "results"
+
+    def file(seed: int, numerics: int | None) -> Path:
+        config = resolve(registry, "fx-task", "fedavg", "fx-nodp", seed, []).model_dump(mode="json")
+        path = _file_run(root, config)
+        if numerics is not None:  # run by older code
+            record = json.loads(path.read_text())
+            record["software"]["numerics_version"] = numerics
+            record["record_id"] = compute_record_id(record)
+            path.unlink()
+            path = path.with_name(f"{record['record_id']}.json")
+            path.write_text(json.dumps(record))
+        return path
+
+    older = [file(seed, STALE_NUMERICS) for seed in (0, 1)]
+    current = file(0, None)  # beside its stale run: filed once per numerics
+    assert replaced_records(load_result_files(root), registry) == []  # seed 1 not filed again
+    file(1, None)
+    assert replaced_records(load_result_files(root), registry) == sorted(older)
+    twice = json.loads(current.read_text())
+    twice["created"] = "2026-03-02T00:00:00+00:00"
+    twice["record_id"] = compute_record_id(twice)
+    current.with_name(f"{twice['record_id']}.json").write_text(json.dumps(twice))
+    with pytest.raises(UserError, match="same config .seed included. as .*a run is filed once"):
+        load_result_files(root)

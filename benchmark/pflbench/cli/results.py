@@ -589,10 +589,10 @@ def register(app: typer.Typer) -> None:
         sweeps: Path = SweepsOption,
         dry_run: bool = typer.Option(False, "--dry-run", help="List them; remove nothing."),
     ) -> None:
-        """Remove filed runs of an older task version whose rows are filed again at the current
-        version with all their seeds (and today's numerics): a new version's matrix, filed over
-        sessions, replaces the old one row by row (docs/RESULTS.md). Git history keeps them, and
-        they leave sweeps/stale-records.txt."""
+        """Remove filed runs of an older task version or older numerics whose rows are filed
+        again at the current version and today's numerics with all their seeds: a new version's
+        matrix, filed over sessions, replaces the old one row by row (docs/RESULTS.md). Git
+        history keeps them, and they leave sweeps/stale-records.txt."""
         from pflbench.results.leaderboard import filed_dir, load_result_files
         from pflbench.results.sweep import (
             STALE_LIST,

@@ -20,7 +20,12 @@ from pflbench.errors import UserError
 from pflbench.numerics import NUMERICS_CHANGES, NUMERICS_VERSION
 from pflbench.results.groups import render_groups, row_label
 from pflbench.results.paper import NOISE_BUDGET_PREFIX, PAPER_DIR
-from pflbench.results.schema import ResultRecord, load_record, record_numerics_version
+from pflbench.results.schema import (
+    ResultRecord,
+    filed_once_key,
+    load_record,
+    record_numerics_version,
+)
 from pflbench.results.stats import row_interval
 from pflbench.spec.models import Budget
 from pflbench.spec.resolve import ran_hash, set_values
@@ -93,11 +98,11 @@ def load_result_files(root: Path) -> list[tuple[Path, ResultRecord, dict]]:
     for path, record, _ in found:
         if record.kind != "run":
             continue
-        ran = ran_hash(record.config or {}, without=())
+        ran = filed_once_key(record)
         if runs.setdefault(ran, path) != path:
             raise UserError(
-                f"{path}: the same config (seed included) as {runs[ran]}; a run is "
-                "filed once: remove one of them"
+                f"{path}: the same config (seed included) as {runs[ran]}, run by code of the same"
+                " numerics; a run is filed once: remove one of them"
             )
         # Seeds of one row train different models, except where the seed changes nothing.
         if _recipe(record).get("training") == "seed-only":

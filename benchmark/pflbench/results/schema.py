@@ -18,7 +18,7 @@ from pflbench.errors import UserError
 from pflbench.numerics import current_numerics
 from pflbench.spec.names import NAME_PATTERN
 from pflbench.spec.registry import format_validation_error
-from pflbench.spec.resolve import canonical_json
+from pflbench.spec.resolve import canonical_json, ran_hash
 
 RECORD_SCHEMA_VERSION = 1
 MAX_RECORD_BYTES = 2 * 1024 * 1024  # a record is a few KiB; anything this large is not one
@@ -517,3 +517,9 @@ def record_numerics_version(record: ResultRecord) -> int:
     privacy = record.privacy
     user_dp = privacy is not None and privacy.dp and privacy.unit != "example"
     return current_numerics(record.software.numerics_version or 1, user_dp)
+
+
+def filed_once_key(record: ResultRecord) -> tuple[str, int]:
+    """What is filed at most once: a config (seed included; ran_hash, so a reworded baseline
+    description is the same config) run by code of one numerics version."""
+    return ran_hash(record.config or {}, without=()), record_numerics_version(record)

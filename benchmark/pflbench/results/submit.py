@@ -23,6 +23,7 @@ from pflbench.errors import UserError
 from pflbench.numerics import NUMERICS_CHANGES, NUMERICS_VERSION
 from pflbench.results.schema import (
     ResultRecord,
+    filed_once_key,
     load_record,
     read_json_file,
     record_numerics_version,
@@ -30,7 +31,7 @@ from pflbench.results.schema import (
 from pflbench.spec.models import Budget, PrivacyRecipe, RunConfig
 from pflbench.spec.names import safe_name
 from pflbench.spec.registry import Registry, format_validation_error
-from pflbench.spec.resolve import config_json_hash, ran_hash, resolve
+from pflbench.spec.resolve import config_json_hash, resolve
 
 if TYPE_CHECKING:
     from pflbench.privacy.accounting import MechanismDescription
@@ -589,14 +590,16 @@ def _same_json(claimed, value) -> bool:
 
 def find_duplicate(record: ResultRecord, folder: Path) -> Path | None:
     """An existing record with the same id, or from the same config (same seed included; a
-    baseline's reworded description is the same config: ran_hash)."""
+    baseline's reworded description is the same config: ran_hash) run by code of the same
+    numerics: a re-run by today's code of a stale run is filed beside it, which stands in until
+    its row is filed again whole (`pflbench results retire-replaced`)."""
     same_id = folder / f"{record.record_id}.json"
     if same_id.exists():
         return same_id
-    ran = ran_hash(record.config or {}, without=())
+    ran = filed_once_key(record)
     for path in sorted(folder.glob("*.json")):
         other, _ = load_record(path)
-        if other.config is not None and ran_hash(other.config, without=()) == ran:
+        if other.config is not None and filed_once_key(other) == ran:
             return path
     return None
 

@@ -151,10 +151,10 @@ def filed_runs(records: list[ResultRecord]) -> list[tuple[ResultRecord, str]]:
 def replaced_records(
     found: list[tuple[Path, ResultRecord, dict]], registry: Registry
 ) -> list[Path]:
-    """Filed runs of an older version of a task whose row (baseline, budget, --set overrides) is
-    filed again at the task's current version and today's numerics, every one of their seeds
-    with it: the row they stood in for is replaced, and they would only stand beside it, stale
-    (`pflbench results retire-replaced`). `found`: load_result_files's."""
+    """Filed runs of an older task version or of older numerics whose row (baseline, budget,
+    --set overrides) is filed again at the task's current version and today's numerics, every
+    one of their seeds with it: the row they stood in for is replaced, and they would only stand
+    beside it, stale (`pflbench results retire-replaced`). `found`: load_result_files's."""
 
     def row(r: ResultRecord) -> tuple:
         return r.task.name, r.baseline, r.budget, canonical_json(set_values(r.config))
@@ -169,7 +169,10 @@ def replaced_records(
             current.setdefault(row(r), set()).add(r.seed)
     older: dict[tuple, list[tuple[Path, int]]] = {}
     for path, r in runs:
-        if version(r) is not None and r.task.version < version(r):
+        task_version = version(r)
+        if task_version is None:  # a task no spec declares now
+            continue
+        if r.task.version < task_version or record_numerics_version(r) < NUMERICS_VERSION:
             older.setdefault(row(r), []).append((path, r.seed))
     return sorted(
         path
