@@ -564,3 +564,43 @@ def test_exact_sum_refuses_noise_it_was_not_given_or_cannot_hold():
     exact.noise_buffers()["w"].fill_(2.0**30)  # ×2^42 on the grid of max_abs 1: past 2^62
     with pytest.raises(ValueError, match="beyond its range"):
         exact.add_noise(1.0)
+
+
+def test_a_plug_in_mechanism_adding_less_noise_than_its_epsilon_assumes_is_refused():
+    """Under DP a plug-in's noise on the average is measured (it is kept apart from the sum
+    until added): one at 1% of C_t·σ_DP stops the run, naming it and the step; the Gaussian
+    noise itself passes the test at every step, also BandMF-like noise scaled above it."""
+    from pflbench.privacy.mechanisms import PRIVACY_MECHANISMS, PrivacyMechanism
+
+    class Scaled(PrivacyMechanism):
+        factor = 1.0
+
+        def add_noise(self, noise, step):
+            if self.factor is None:  # a NaN noise
+                noise["w"][0] = float("nan")
+                return
+            generator = noise_generator(self.context.seed, step)
+            std = self.factor * self.clip_bound * self.context.sigma_dp
+            add_gaussian_noise(noise, std, generator)
+
+    PRIVACY_MECHANISMS.register("scaled-noise-here", Scaled)
+    privacy = {"clip_bound": 0.5, "clipping": "global", "mechanism": "scaled-noise-here"}
+
+    def run(factor: float | None, steps: int) -> None:
+        mechanism = make_mechanism(privacy, 4, sigma_dp=0.3)
+        mechanism.factor = factor
+        for step in range(steps):
+            agg = StepAggregator(
+                {"w": torch.zeros(300), "b": torch.zeros(3)}, mechanism, step, 10.0
+            )
+            for user in range(4):
+                agg.add({"w": torch.full((300,), 0.01), "b": torch.zeros(3)}, f"u{user}", 0, 1, 1)
+            agg.finish()
+
+    run(1.0, 50)
+    run(1.5, 5)
+    for factor in (0.5, 0.01, None):  # (over 303 elements the test can tell 0.7)
+        with pytest.raises(
+            UserError, match="'scaled-noise-here' .* added noise of std .* at step 0"
+        ):
+            run(factor, 1)

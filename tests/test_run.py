@@ -766,3 +766,36 @@ def test_every_training_the_recipe_names_has_a_runner_and_no_other():
     from pflbench.spec.models import Recipe
 
     assert tuple(TRAININGS) == get_args(Recipe.model_fields["training"].annotation)
+
+
+def test_a_client_algorithm_reading_user_state_in_its_server_step_is_refused(
+    tiny_task_data, tmp_path
+):
+    """A user's state is the client's, not privatized: the server step, which gets the
+    privatized average only, may not read it (a raw channel around the DP bound)."""
+    from pflbench.fl.algorithms import CLIENT_ALGORITHMS, ClientAlgorithm
+
+    class Peeking(ClientAlgorithm):
+        def server_step(self, averaged):
+            self.context.user_states.load("anyone", 1)
+
+    CLIENT_ALGORITHMS.register("peeking-here", Peeking)
+    try:
+        recipe = Recipe.model_validate(
+            {
+                "federated": {
+                    "cohort_size": 2,
+                    "client": {"algorithm": "peeking-here", "local_steps": 1},
+                }
+            }
+        )
+        torch.manual_seed(0)
+        model = build_model("tiny", tiny_task_data.tokenizer.size)
+        sim = Simulator(model, tiny_task_data.federated_train, recipe, 0.0, 0, "cpu", DistContext(),
+                        user_state_dir=tmp_path / "states")  # fmt: skip
+        with pytest.raises(UserError, match="read or wrote a user's state in its server_step"):
+            sim.run_step()
+        sim.algorithm.context.user_states.load("anyone", 1)  # in the client phase: allowed
+    finally:
+        dict.pop(CLIENT_ALGORITHMS, "peeking-here")
+        CLIENT_ALGORITHMS.origins.pop("peeking-here")

@@ -23,6 +23,7 @@ from pflbench.fl.distributed import all_reduce_sum, one_process
 from pflbench.privacy.aggregate import ExactSum
 from pflbench.privacy.mechanisms import (
     PrivacyMechanism,
+    check_noise_on_average,
     check_within_clip_bound,
     checks_plugin_bound,
     scales_in_sum,
@@ -127,7 +128,10 @@ class StepAggregator:
         # With client-side noise the noiseless average never exists anywhere.
         norm_before = None if mechanism.client_noise else self.sum.norm() / mechanism.denominator
         if mechanism.noises_average:  # onto the exact sum, before anything is rounded
-            mechanism.add_noise(self.sum.noise_buffers(), self.step)
+            noise = self.sum.noise_buffers()
+            mechanism.add_noise(noise, self.step)
+            if self.check_bound:  # a plug-in's, under DP: measured, as its updates are
+                check_noise_on_average(mechanism, noise, self.step)
             self.sum.add_noise(mechanism.denominator)
         averaged = self.sum.result(torch.float32)
         grads = [averaged[n].div_(mechanism.denominator) for n in self.names]

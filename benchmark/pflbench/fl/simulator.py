@@ -189,7 +189,8 @@ class Simulator:
         lr = exponential_decay_lr(step, fed.server.lr, fed.server.decay)
         self.server.step(averaged[: len(self.names)], lr)
         beside = averaged[len(self.names) :]
-        self.algorithm.server_step(dict(zip(self.payload_names, beside, strict=True)))
+        with self.algorithm.context.user_states.sealed():
+            self.algorithm.server_step(dict(zip(self.payload_names, beside, strict=True)))
         self.step += 1
         return {"step": step, "lr": lr, **stats}
 

@@ -13,11 +13,14 @@ from __future__ import annotations
 
 import hashlib
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from pflbench.errors import UserError
 from pflbench.files import atomic_write
 
 
@@ -26,6 +29,25 @@ class UserStateStore:
 
     def __init__(self, root: Path):
         self.root = Path(root)
+        self._sealed = False
+
+    @contextmanager
+    def sealed(self) -> Iterator[None]:
+        """While the server steps: a user's state is the client's (raw, not privatized), so
+        loading or saving it is refused there (the server gets the privatized average only)."""
+        self._sealed = True
+        try:
+            yield
+        finally:
+            self._sealed = False
+
+    def _check_open(self) -> None:
+        if self._sealed:
+            raise UserError(
+                "a client algorithm read or wrote a user's state in its server_step: that state"
+                " is the client's, not privatized, and the server sees only the privatized"
+                " average (read it in the client hooks: start_group, payload)"
+            )
 
     def _folder(self, user: str) -> Path:
         # User ids are free text (Common Voice client ids, plug-in corpora): hash them to a name.
@@ -33,6 +55,7 @@ class UserStateStore:
 
     def load(self, user: str, step: int) -> dict[str, torch.Tensor] | None:
         """The user's newest state written before central step `step`, or None."""
+        self._check_open()
         versions = [v for v in self._versions(self._folder(user)) if v < step]
         if not versions:
             return None
@@ -40,6 +63,7 @@ class UserStateStore:
 
     def save(self, user: str, step: int, tensors: dict[str, torch.Tensor]) -> None:
         """The state the user leaves at central step `step`."""
+        self._check_open()
         folder = self._folder(user)
         folder.mkdir(parents=True, exist_ok=True)
         contiguous = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}

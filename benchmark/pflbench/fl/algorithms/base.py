@@ -13,9 +13,11 @@ stacked [G, ...] (G = 1: one client), so one definition serves both:
     server_step(averaged)                      the averaged, privatized payload tensors
 
 Everything in the payload goes through the same per-user privacy steps as Δ (zeroed if
-non-finite, clipped, noised) and the same exact sum: an algorithm never sends anything the DP
-bound does not cover. State that must survive a kill goes into `state_dict` (the server's) or
-`AlgorithmContext.user_states` (each user's, fl.user_state); both are restored exactly on resume.
+non-finite, clipped, noised) and the same exact sum, so what an algorithm sends is covered by the
+DP bound; what its code keeps of a client's data is its own (docs/PLUGINS.md): user states are
+sealed while server_step runs. State that must survive a kill goes into `state_dict` (the
+server's) or `AlgorithmContext.user_states` (each user's, fl.user_state); both are restored
+exactly on resume.
 
 An algorithm reads the common ClientRecipe fields (lr, local steps or epochs, batch, grad_clip)
 and the fields it names in `uses`; `check` refuses a recipe that sets a field the chosen

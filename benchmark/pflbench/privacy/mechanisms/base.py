@@ -265,6 +265,41 @@ def check_within_clip_bound(
     return bound
 
 
+# How unlikely a plug-in's honest noise is to be refused by check_noise_on_average, per step.
+NOISE_CHECK_FALSE_REFUSAL = 1e-9
+
+
+def check_noise_on_average(
+    mechanism: PrivacyMechanism, noise: dict[str, torch.Tensor], step: int
+) -> None:
+    """A plug-in mechanism's noise on the average at step `step`, measured (add_noise leaves it
+    apart from the sum, in `noise`): finite, and not below the Gaussian mechanism's N(0, (C_t·
+    σ_DP)²) per element, by a one-sided χ² test of its sum of squares over the d elements (an
+    honest plug-in is refused with probability NOISE_CHECK_FALSE_REFUSAL; BandMF's ẑ_t = C⁻¹z_t
+    has at least that variance too). The accountants assume that noise: one adding less (a wrong
+    std or factor) would otherwise be filed as meeting its budget. UserError naming the
+    mechanism, its plug-in and the step."""
+    from scipy.stats import chi2  # (imported here: only plug-ins under DP need it)
+
+    tensors = [t for t in noise.values() if t.numel()]
+    elements = sum(t.numel() for t in tensors)
+    if not elements:
+        return
+    squares = float(sum(torch.linalg.vector_norm(t.double()) ** 2 for t in tensors))
+    std = mechanism.clip_bound * mechanism.context.sigma_dp
+    least = std**2 * float(chi2.ppf(NOISE_CHECK_FALSE_REFUSAL, elements))
+    if not squares >= least:  # NaN too
+        name = mechanism.privacy.mechanism
+        origin = PRIVACY_MECHANISMS.origin_of_unshipped(name)
+        measured = (squares / elements) ** 0.5
+        raise UserError(
+            f"privacy mechanism {name!r} ({origin}) added noise of std {measured:.6g} per"
+            f" element to the average at step {step}, under the C_t·σ_DP = {std:.6g} its ε is"
+            " accounted for (a χ² test over its"
+            f" {elements} elements): add_noise must add at least N(0, (C_t·σ_DP)²) to each"
+        )
+
+
 def mechanism_class(privacy: PrivacyRecipe) -> type[PrivacyMechanism]:
     """The registered class `privacy.mechanism` names (UserError listing the known ones)."""
     return PRIVACY_MECHANISMS[privacy.mechanism]
