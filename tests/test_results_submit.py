@@ -837,3 +837,37 @@ def test_a_seed_copied_from_another_seed_of_its_row_is_refused(tmp_path, registr
     (filed.parent / f"{copy_['record_id']}.json").write_text(json.dumps(copy_))
     with pytest.raises(UserError, match="the same transcripts of every eval set as .*another seed"):
         load_results(results)
+
+
+def test_a_filed_config_edited_where_nothing_reads_it_neither_passes_nor_splits_its_row():
+    """A filed run of the embedded task, its config edited and every hash recomputed: a baseline's
+    `overrides` changed (no recipe changes) is refused as not what the baseline resolves to; a
+    retired recipe key added (the code drops it on reading) is the same configuration, so its
+    leaderboard row and the filed-once check are the unedited run's."""
+    from pflbench.results.groups import partner_key
+    from pflbench.results.leaderboard import group_key
+    from pflbench.results.schema import filed_once_key
+
+    builtin = load_registry()
+    path = next(
+        p
+        for p in sorted((REPO_RESULTS / "synth-cv-en-ls-seed").glob("*/*.json"))
+        if record_numerics_version(load_record(p)[0]) == NUMERICS_VERSION
+        and load_record(p)[0].task.version == builtin.task("synth-cv-en-ls-seed").spec.version
+    )
+    original = json.loads(path.read_text())
+
+    def edited(change) -> dict:
+        raw = copy.deepcopy(original)
+        change(raw["config"])
+        raw["config_hash"] = config_json_hash(raw["config"])
+        return finalize_id_only(raw)
+
+    overrides = edited(lambda c: c["baseline"].update(overrides={"federated": {"note": 1}}))
+    with pytest.raises(UserError, match=r"config.baseline.overrides.* is not the one its baseline"):
+        validate_record(parse_record(overrides, "edited"), overrides, builtin, "edited")
+    retired = edited(lambda c: c["recipe"]["privacy"].update(accountant="rdp"))
+    record, again = parse_record(retired, "edited"), parse_record(original, "filed")
+    assert record.record_id != again.record_id
+    for key in (group_key, partner_key, filed_once_key):
+        assert key(record) == key(again), key

@@ -13,8 +13,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass
 
-from pflbench.results.schema import ResultRecord, record_numerics_version
-from pflbench.spec.resolve import ran_hash, set_values
+from pflbench.results.schema import ResultRecord, record_numerics_version, record_ran_hash
+from pflbench.spec.resolve import set_values
 
 MIN_SPEAKERS = 5
 UNREPORTED = "unreported"
@@ -105,8 +105,11 @@ def partner_key(record: ResultRecord) -> tuple[str, int, str]:
     """Rows that differ only in the seed and the budget share this key (the config holds the
     task's version; the numerics version is the code's, so a stale row pairs only with one as
     stale)."""
-    config = record.config or {}
-    return record.baseline, record_numerics_version(record), ran_hash(config, ("seed", "budget"))
+    return (
+        record.baseline,
+        record_numerics_version(record),
+        record_ran_hash(record, ("seed", "budget")),
+    )
 
 
 def group_eval_set(records: list[ResultRecord]) -> str | None:

@@ -25,10 +25,11 @@ from pflbench.results.schema import (
     filed_once_key,
     load_record,
     record_numerics_version,
+    record_ran_hash,
 )
 from pflbench.results.stats import row_interval
 from pflbench.spec.models import Budget
-from pflbench.spec.resolve import ran_hash, set_values
+from pflbench.spec.resolve import set_values
 
 SCHEMA_FILE = "schema.json"
 VERIFICATION_FILE = "verification.json"  # `pflbench verify`'s stamp (results/verify.py)
@@ -170,7 +171,7 @@ def group_key(record: ResultRecord) -> tuple[str, str]:
     if record.kind == "reference" or record.config is None:
         return record.baseline, f"reference:{record.record_id}"
     numerics = record_numerics_version(record)
-    return record.baseline, f"{ran_hash(record.config)}/numerics-{numerics}"
+    return record.baseline, f"{record_ran_hash(record)}/numerics-{numerics}"
 
 
 def group_rows(records: list[ResultRecord]) -> list[Row]:

@@ -6,6 +6,7 @@ executed, unpickled or used as a file path without `safe_name`.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from datetime import UTC, datetime, timedelta
@@ -519,7 +520,57 @@ def record_numerics_version(record: ResultRecord) -> int:
     return current_numerics(record.software.numerics_version or 1, user_dp)
 
 
+# Recipe keys that configs once carried and that no longer exist (nothing ever read either):
+# privacy.accountant (the accountant is the budget's alone) and federated.layer_freeze.warm_batches
+# (layer freezing scores over the whole seed training).
+RETIRED_RECIPE_KEYS = (("privacy", "accountant"), ("federated", "layer_freeze", "warm_batches"))
+
+
+def _algorithm_run_before_it_was_named(client: dict) -> str | None:
+    """The client algorithm a config from before `federated.client.algorithm` existed ran: the
+    code then applied FedProx, variational noise and the data limit wherever their fields were
+    set (fl/algorithms took them over bitwise); None for plain FedAvg (the default) and where more
+    than one is set (no single algorithm today)."""
+    noise = client.get("variational_noise") or {}
+    active = [
+        name
+        for name, on in (
+            ("fedprox", (client.get("fedprox_mu") or 0) > 0),
+            ("fvn", (noise.get("std") or 0) > 0),
+            ("data-limit", client.get("max_utterances") is not None),
+        )
+        if on
+    ]
+    return active[0] if len(active) == 1 else None
+
+
+def current_config(stored: dict) -> dict:
+    """A stored config in today's RunConfig shape: retired recipe keys are dropped from the run's
+    recipe and the task's, and a client algorithm from before it was named is named (the hash is
+    checked on the config as stored)."""
+    config = copy.deepcopy(stored)
+    for recipe in (config.get("recipe"), (config.get("task") or {}).get("recipe")):
+        for *parents, key in RETIRED_RECIPE_KEYS:
+            node = recipe
+            for parent in parents:
+                node = node.get(parent) if isinstance(node, dict) else None
+            if isinstance(node, dict):
+                node.pop(key, None)
+        client = ((recipe or {}).get("federated") or {}).get("client")
+        if isinstance(client, dict) and "algorithm" not in client:
+            algorithm = _algorithm_run_before_it_was_named(client)
+            if algorithm is not None:
+                client["algorithm"] = algorithm
+    return config
+
+
+def record_ran_hash(record: ResultRecord, without: tuple[str, ...] = ("seed",)) -> str:
+    """ran_hash of the record's config read as today's (current_config): a key the code no
+    longer reads (a retired one) makes no other configuration, so it cannot split a row."""
+    return ran_hash(current_config(record.config or {}), without)
+
+
 def filed_once_key(record: ResultRecord) -> tuple[str, int]:
-    """What is filed at most once: a config (seed included; ran_hash, so a reworded baseline
-    description is the same config) run by code of one numerics version."""
-    return ran_hash(record.config or {}, without=()), record_numerics_version(record)
+    """What is filed at most once: a config (seed included; record_ran_hash, so a reworded
+    baseline description is the same config) run by code of one numerics version."""
+    return record_ran_hash(record, without=()), record_numerics_version(record)

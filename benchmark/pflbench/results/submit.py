@@ -9,7 +9,6 @@ has a stamp, checked against the record and filed with it.
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import shutil
@@ -23,6 +22,7 @@ from pflbench.errors import UserError
 from pflbench.numerics import NUMERICS_CHANGES, NUMERICS_VERSION
 from pflbench.results.schema import (
     ResultRecord,
+    current_config,
     filed_once_key,
     load_record,
     read_json_file,
@@ -31,7 +31,7 @@ from pflbench.results.schema import (
 from pflbench.spec.models import Budget, PrivacyRecipe, RunConfig
 from pflbench.spec.names import safe_name
 from pflbench.spec.registry import Registry, format_validation_error
-from pflbench.spec.resolve import config_json_hash, resolve
+from pflbench.spec.resolve import config_json_hash, resolve, what_config_ran
 
 if TYPE_CHECKING:
     from pflbench.privacy.accounting import MechanismDescription
@@ -96,50 +96,6 @@ def within_statement_slack(field: str, stated, value) -> bool:
 # Checks
 
 
-# Recipe keys that configs once carried and that no longer exist (nothing ever read either):
-# privacy.accountant (the accountant is the budget's alone) and federated.layer_freeze.warm_batches
-# (layer freezing scores over the whole seed training).
-RETIRED_RECIPE_KEYS = (("privacy", "accountant"), ("federated", "layer_freeze", "warm_batches"))
-
-
-def _algorithm_run_before_it_was_named(client: dict) -> str | None:
-    """The client algorithm a config from before `federated.client.algorithm` existed ran: the
-    code then applied FedProx, variational noise and the data limit wherever their fields were
-    set (fl/algorithms took them over bitwise); None for plain FedAvg (the default) and where more
-    than one is set (no single algorithm today)."""
-    noise = client.get("variational_noise") or {}
-    active = [
-        name
-        for name, on in (
-            ("fedprox", (client.get("fedprox_mu") or 0) > 0),
-            ("fvn", (noise.get("std") or 0) > 0),
-            ("data-limit", client.get("max_utterances") is not None),
-        )
-        if on
-    ]
-    return active[0] if len(active) == 1 else None
-
-
-def current_config(stored: dict) -> dict:
-    """A stored config in today's RunConfig shape: retired recipe keys are dropped from the run's
-    recipe and the task's, and a client algorithm from before it was named is named (the hash is
-    checked on the config as stored)."""
-    config = copy.deepcopy(stored)
-    for recipe in (config.get("recipe"), (config.get("task") or {}).get("recipe")):
-        for *parents, key in RETIRED_RECIPE_KEYS:
-            node = recipe
-            for parent in parents:
-                node = node.get(parent) if isinstance(node, dict) else None
-            if isinstance(node, dict):
-                node.pop(key, None)
-        client = ((recipe or {}).get("federated") or {}).get("client")
-        if isinstance(client, dict) and "algorithm" not in client:
-            algorithm = _algorithm_run_before_it_was_named(client)
-            if algorithm is not None:
-                client["algorithm"] = algorithm
-    return config
-
-
 def parse_config(stored: dict, where: str) -> RunConfig:
     """A stored config as today's RunConfig (current_config), or a UserError naming `where`."""
     try:
@@ -184,17 +140,18 @@ def check_config(record: ResultRecord, raw: dict, where: str) -> RunConfig:
 def check_config_resolves(config: RunConfig, registry: Registry, where: str) -> None:
     """The stored config is what the registry resolves for its task, baseline, budget, seed and
     --set overrides: a config edited in place, its hash recomputed, would credit a baseline with
-    a run of another recipe. Checked on records of the current task version (an older one no
-    longer resolves)."""
+    a run of another recipe (or, edited where nothing reads it, a baseline's `overrides` say,
+    split one configuration's seeds into two rows). Checked on records of the current task
+    version (an older one no longer resolves)."""
     from pflbench.results.rescore import first_difference
 
     sets = [f"{key}={value}" for key, value in config.overrides.items()]
     names = (config.task.name, config.baseline.name, config.budget.name)
     fresh = resolve(registry, *names, config.seed, sets)
-    # What ran: the task (data, eval sets) and the recipe; the baseline's own text may be reworded.
+    # All of it but the baseline's and budget's own words, which may be reworded.
     found = first_difference(
-        config.model_dump(mode="json", include={"task", "recipe"}),
-        fresh.model_dump(mode="json", include={"task", "recipe"}),
+        what_config_ran(config.model_dump(mode="json"), without=()),
+        what_config_ran(fresh.model_dump(mode="json"), without=()),
         "config",
     )
     if found is not None:
