@@ -195,6 +195,8 @@ def test_the_group_figure_shows_the_anchors_and_the_default_budgets_methods(spec
     methods under the task's default budget, not the rows whose names sort first."""
     task = "synth-cv-en-ls-seed"
     default = load_registry().tasks[task].spec.budgets[0]
+    if matrix_being_filed():
+        pytest.skip("the task's current version is still filing its matrix (sweeps/to-run/)")
     records = [r for r in load_results(REPO / "results") if r.kind == "run"]
     figures, _ = _figures(records, specs)
     labels = [s["label"] for s in figures[f"{task}-group-wer"].data["series"]]

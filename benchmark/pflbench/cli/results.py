@@ -84,6 +84,7 @@ def _pending_notes(records, results: Path, sweeps: Path | None, registry) -> dic
     """Per task, a note of the runs that the sweep files in `to-run/` (beside the filed matrix's)
     declare and that are not filed yet: a task's new version files its matrix over several
     sessions, and a reader must see that its table is partial (docs/RESULTS.md)."""
+    from pflbench.numerics import NUMERICS_VERSION
     from pflbench.results.sweep import filed_runs, load_sweep_folder, split_filed
 
     folder = _sweeps_folder(results, sweeps) / "to-run"
@@ -98,11 +99,12 @@ def _pending_notes(records, results: Path, sweeps: Path | None, registry) -> dic
         version = registry.task(task).spec.version
         filed = sum(r.task.name == task and r.task.version == version for r in runs)
         notes[task] = (
-            f"**Task v{version}'s matrix is being filed**: {filed} of its runs are filed, "
-            f"{count} more are declared in `sweeps/to-run/` and still to run (`pflbench "
-            "sweep --file sweeps/to-run/FILE --jobs 2`). Until they are, rows of the older "
-            "version stand in, marked stale, and comparisons that need the missing rows are "
-            "missing below."
+            f"**Task v{version}'s matrix is being filed**: {filed} of its runs are filed at "
+            f"today's numerics (v{NUMERICS_VERSION}), {count} more are declared in "
+            "`sweeps/to-run/` and still to run (`pflbench sweep --file sweeps/to-run/FILE --jobs "
+            "2`). Until they are, rows of an older task version or run by code of older numerics "
+            "stand in, marked stale, and comparisons that need the missing rows are missing "
+            "below."
         )
     return notes
 
