@@ -511,6 +511,13 @@ def test_malformed_json(tmp_path, registry):
     (run_dir / "record.json").write_text('{"schema_version": 1, "record_id": ')
     with pytest.raises(UserError, match="record.json: not valid JSON"):
         submit(run_dir, tmp_path / "results", registry)
+    (run_dir / "record.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(UserError, match="record.json: JSON nested too deeply"):
+        submit(run_dir, tmp_path / "results", registry)
+    (run_dir / "record.json").unlink()
+    (run_dir / "record.json").mkdir()
+    with pytest.raises(UserError, match="record.json: a folder, not a file"):
+        submit(run_dir, tmp_path / "results", registry)
 
 
 def test_nan_is_refused(tmp_path, registry, dp_record):

@@ -89,8 +89,14 @@ def load_result_files(root: Path) -> list[tuple[Path, ResultRecord, dict]]:
         rel = path.relative_to(root)
         if rel == Path(SCHEMA_FILE):
             continue
-        if len(rel.parts) > 3 and root.joinpath(*rel.parts[:3]).with_suffix(".json").is_file():
-            continue  # a file of the record's filed_dir
+        if len(rel.parts) > 3:  # a file of a record's filed_dir
+            record_file = root.joinpath(*rel.parts[:3]).with_suffix(".json")
+            if record_file.is_file():
+                continue
+            raise UserError(
+                f"{path}: in the folder of record {rel.parts[2]}, but {record_file} is not filed"
+                " (a record removed without its folder?)"
+            )
         record, raw = load_record(path)
         check_filed_where_it_belongs(record, rel, path)
         found.append((path, record, raw))

@@ -457,6 +457,8 @@ def read_json_file(path: Path) -> Any:
     """JSON from a file of at most MAX_RECORD_BYTES (a record, or a file filed beside one: its
     config, its verification stamp), NaN and duplicate keys refused."""
     path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{path}: a folder, not a file")
     if not path.is_file():
         raise UserError(f"{path}: no such file")
     size = path.stat().st_size
@@ -472,6 +474,8 @@ def read_json_file(path: Path) -> Any:
         )
     except (ValueError, UnicodeDecodeError) as exc:
         raise UserError(f"{path}: not valid JSON: {exc}") from None
+    except RecursionError:  # (json's decoder recurses once per level)
+        raise UserError(f"{path}: JSON nested too deeply to be a record") from None
 
 
 def parse_record(data: Any, where: str) -> ResultRecord:
