@@ -301,3 +301,16 @@ def test_statement_on_pseudo_users_says_the_guarantee_is_per_pseudo_user():
 def test_statement_refuses_more_steps_than_the_budget_covers():
     with pytest.raises(UserError, match=r"3000 central steps .* T = 2034; .* would be 7\.70"):
         privacy_statement(3e-6, 0.01, 1024, 34_753, 3000, DELTA, "fixed", HIGH_POP)
+
+
+def test_an_epsilon_below_rdp_s_reach_calibrates_by_pld_and_rdp_says_why_it_cannot():
+    """RDP's largest order bounds its ε from below whatever the noise (~0.0125 at q 1e-5, T 100,
+    δ 1e-9): it refuses a target of 0.01 saying so, and PLD, which its calibration no longer
+    brackets by RDP's answer, reaches it at a moderate noise multiplier."""
+    family = sampled_gaussian(1e-5, 100)
+    with pytest.raises(UserError, match="out of the rdp accountant's reach.*largest order"):
+        calibrate_noise(0.01, family, 1e-9, "rdp")
+    z = calibrate_noise(0.01, family, 1e-9, "pld")
+    assert 0.1 < z < 10
+    assert compute_epsilon(family(z), 1e-9, "pld").epsilon <= 0.01
+    assert compute_epsilon(family(z * 0.99), 1e-9, "pld").epsilon > 0.01

@@ -141,10 +141,14 @@ def calibrate_noise(
     def fits(z: float) -> bool:  # unchecked: the search's end is checked once, below
         return _accounted(mechanism(z), delta, accountant)[0].epsilon <= target_epsilon
 
-    # The others are at most the RDP epsilon, so the RDP answer brackets theirs from above.
+    # The others are at most the RDP epsilon, so the RDP answer brackets theirs from above,
+    # where RDP reaches the target: its largest order bounds its ε below whatever the noise.
     hi = 1.0
     if accountant != "rdp":
-        hi = calibrate_noise(target_epsilon, mechanism, delta, "rdp")
+        try:
+            hi = calibrate_noise(target_epsilon, mechanism, delta, "rdp")
+        except UserError:
+            hi = 1.0
     lo = hi
     if fits(hi):
         while lo > Z_MIN and fits(lo):
@@ -153,9 +157,17 @@ def calibrate_noise(
         while not fits(hi):
             if hi >= Z_MAX:
                 described = mechanism(hi)
+                reached = _accounted(described, delta, accountant)[0].epsilon
+                why = (
+                    f"; RDP's largest order ({max(rdp.RDP_ORDERS):g}) bounds its ε from below"
+                    " whatever the noise: the pld or prv accountant certifies smaller ones"
+                    if accountant == "rdp"
+                    else ""
+                )
                 raise UserError(
-                    f"epsilon {target_epsilon} at delta {delta} needs a noise multiplier above"
-                    f" {Z_MAX:g} (q={described.sampling_rate}, T={described.steps})"
+                    f"epsilon {target_epsilon} at delta {delta} is out of the {accountant}"
+                    f" accountant's reach: at noise multiplier {Z_MAX:g} it gives {reached:.4g}"
+                    f" (q={described.sampling_rate}, T={described.steps}){why}"
                 )
             lo, hi = hi, hi * 2
     while hi / lo - 1 > Z_RTOL:
