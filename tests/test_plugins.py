@@ -162,9 +162,12 @@ def test_a_file_plugins_helpers_import_and_are_digested_whatever_the_load_order(
     monkeypatch.setattr(sys, "modules", dict(sys.modules))
     (tmp_path / "shared.py").write_text("SCALE = 1.0\n")
     (tmp_path / "later.py").write_text("SHIFT = 0.0\n")
+    (tmp_path / "nsutil").mkdir()  # a namespace package: a folder without __init__.py
+    (tmp_path / "nsutil" / "core.py").write_text("STEP = 1.0\n")
     (tmp_path / "one.py").write_text(
         "from shared import SCALE\n" + REGISTERS + "S.register('one-sgd', S['sgd'])\n"
         "def shift():\n    from later import SHIFT\n    return SHIFT\n"
+        "def step():\n    from nsutil.core import STEP\n    return STEP\n"
     )
     (tmp_path / "two.py").write_text(
         "import shared\n" + REGISTERS + "S.register('two-sgd', S['sgd'])\n"
@@ -174,7 +177,7 @@ def test_a_file_plugins_helpers_import_and_are_digested_whatever_the_load_order(
         plugins._loaded.clear()
         for name in ("one-sgd", "two-sgd"):
             dict.pop(SERVER_OPTIMIZERS, name, None)
-        for name in ("shared", "later"):
+        for name in ("shared", "later", "nsutil", "nsutil.core"):
             sys.modules.pop(name, None)
         if edit:
             (tmp_path / edit).write_text((tmp_path / edit).read_text() + "# edited\n")
@@ -187,6 +190,8 @@ def test_a_file_plugins_helpers_import_and_are_digested_whatever_the_load_order(
     assert edited == load(["one", "two"]) and edited[0] != first[0] and edited[1] != first[1]
     lazily = load(["one", "two"], edit="later.py")
     assert lazily[0] != edited[0] and lazily[1] == edited[1]  # only one.py imports later.py
+    namespaced = load(["one", "two"], edit="nsutil/core.py")
+    assert namespaced[0] != lazily[0] and namespaced[1] == lazily[1]
 
 
 def test_a_registry_changes_only_by_register():

@@ -109,7 +109,8 @@ def _helpers_beside(file: Path) -> set[Path]:
                 continue
             for top in {name.partition(".")[0] for name in names} - {"pflbench"}:
                 package, module = root / top, root / f"{top}.py"
-                paths = package.rglob("*.py") if (package / "__init__.py").is_file() else []
+                # (a folder without __init__.py imports too, as a namespace package)
+                paths = package.rglob("*.py") if package.is_dir() else []
                 for path in {*paths, *([module] if module.is_file() else [])}:
                     if path.resolve() not in found:
                         found.add(path.resolve())
