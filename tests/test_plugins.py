@@ -621,3 +621,24 @@ def test_a_mechanism_registered_outside_a_plugin_is_measured_too():
     mechanism.constrain_sensitivity(update, "u0", 0)
     with pytest.raises(UserError, match=r"'doubling-here' \(registered outside a plug-in\) left"):
         check_within_clip_bound(mechanism, update, "u0", 0)
+
+
+def test_a_plugin_registering_the_wrong_kind_of_entry_is_refused_naming_it(tmp_path):
+    """A mechanism that is not a PrivacyMechanism subclass, or a bare function as a server
+    optimizer, is refused when registered (naming the plug-in), not where a run first uses it."""
+    plugin = tmp_path / "wrongtype.py"
+    plugin.write_text(
+        "from pflbench.privacy.mechanisms import PRIVACY_MECHANISMS\n"
+        "class PlainMech:\n    pass\n"
+        "PRIVACY_MECHANISMS.register('plainmech', PlainMech)\n"
+    )
+    with pytest.raises(
+        UserError, match=r"'plainmech' \(plug-in wrongtype\) must be a subclass of PrivacyMechanism"
+    ):
+        plugins.load_plugin(str(plugin))
+    plugin.write_text(
+        "from pflbench.fl.server_optimizers import SERVER_OPTIMIZERS\n"
+        "SERVER_OPTIMIZERS.register('bareopt', lambda *a: None)\n"
+    )
+    with pytest.raises(UserError, match=r"'bareopt' \(plug-in wrongtype\) must be a ServerRule"):
+        plugins.load_plugin(str(plugin))

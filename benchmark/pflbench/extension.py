@@ -35,9 +35,20 @@ def registering_as(origin: str) -> Iterator[None]:
 class ExtensionPoint(dict):
     """name -> entry for one kind of method; see the module docstring."""
 
-    def __init__(self, kind: str, entries: Iterable[tuple[str, Any]] = ()) -> None:
+    def __init__(
+        self,
+        kind: str,
+        entries: Iterable[tuple[str, Any]] = (),
+        *,
+        entry_type: type | None = None,
+        classes: bool = False,
+    ) -> None:
+        """`entry_type`: what an entry must be, an instance of it (or with `classes`, a
+        subclass): a wrong entry is refused at registration, naming its plug-in, rather than
+        failing wherever a run first uses it."""
         super().__init__()
         self.kind = kind
+        self.entry_type, self.classes = entry_type, classes
         self.origins: dict[str, str] = {}
         for name, entry in entries:
             self.register(name, entry)
@@ -59,6 +70,15 @@ class ExtensionPoint(dict):
             raise UserError(
                 f"{self.kind} {name!r} is already registered (by {first}); choose another name"
             )
+        wanted = self.entry_type
+        if wanted is not None:
+            fits = issubclass(entry, wanted) if isinstance(entry, type) else False
+            if not (fits if self.classes else isinstance(entry, wanted)):
+                what = (
+                    f"a subclass of {wanted.__name__}" if self.classes else f"a {wanted.__name__}"
+                )
+                origin = _loading[-1] if _loading else BUILTIN
+                raise UserError(f"{self.kind} {name!r} ({origin}) must be {what}, got {entry!r}")
         super().__setitem__(name, entry)
         self.origins[name] = _loading[-1] if _loading else BUILTIN
         return entry

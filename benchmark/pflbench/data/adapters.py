@@ -179,4 +179,6 @@ class CommonVoice(CorpusAdapter):
 
 
 # The registry (plug-ins add corpora: pflbench.plugins).
-CORPORA = ExtensionPoint("corpus", ((a.name, a) for a in (LibriSpeech(), CommonVoice())))
+CORPORA = ExtensionPoint(
+    "corpus", ((a.name, a) for a in (LibriSpeech(), CommonVoice())), entry_type=CorpusAdapter
+)

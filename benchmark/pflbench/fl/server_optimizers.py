@@ -186,4 +186,5 @@ SERVER_OPTIMIZERS = ExtensionPoint(
             ServerRule("sgd", momentum_slots, sgd_update),
         )
     ),
+    entry_type=ServerRule,
 )

@@ -30,7 +30,7 @@ from pflbench.privacy.accounting import (
 # The accountants pflbench ships: upper bounds, tested against one another. Any other entry, a
 # plug-in's or one registered by other code, has its ε checked (check_not_below_lower_bound).
 BUILT_IN = (rdp.ACCOUNTANT, pld.ACCOUNTANT, prv.ACCOUNTANT)
-ACCOUNTANTS = ExtensionPoint("accountant", ((a.name, a) for a in BUILT_IN))
+ACCOUNTANTS = ExtensionPoint("accountant", ((a.name, a) for a in BUILT_IN), entry_type=Accountant)
 
 
 def calibrating() -> tuple[str, ...]:

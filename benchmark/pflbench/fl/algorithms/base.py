@@ -253,6 +253,8 @@ CLIENT_ALGORITHMS = ExtensionPoint(
         ("fvn", VariationalNoise),
         ("data-limit", DataLimit),
     ),
+    entry_type=ClientAlgorithm,
+    classes=True,
 )
 
 

@@ -218,7 +218,12 @@ class PrivacyMechanism:
 
 
 # The registry (more built-ins: modules of this package; plug-ins: pflbench.plugins).
-PRIVACY_MECHANISMS = ExtensionPoint("privacy mechanism", (("gaussian", PrivacyMechanism),))
+PRIVACY_MECHANISMS = ExtensionPoint(
+    "privacy mechanism",
+    (("gaussian", PrivacyMechanism),),
+    entry_type=PrivacyMechanism,
+    classes=True,
+)
 
 
 def checks_plugin_bound(mechanism: PrivacyMechanism) -> bool:
