@@ -34,6 +34,7 @@ from pflbench.model.transformer import CTCTransformer, ModelConfig, build_model,
 from pflbench.privacy.clipping import layer_bounds
 from pflbench.privacy.example import (
     EPSILON_TOLERANCE,
+    clipping_words,
     example_epsilon,
     example_noise_multiplier,
     example_statement,
@@ -538,6 +539,18 @@ def test_submit_refuses_a_tampered_epsilon(dp_run, specs_dir, data, tmp_path):  
     (copy_dir / "record.json").write_text(json.dumps(tampered))
     with pytest.raises(UserError, match="privacy.unit is 'user'"):
         submit(copy_dir, tmp_path / "other", registry, data=data)
+    # The statement's words and its other numbers are the runner's, field for field.
+    for edit, field in [
+        (lambda p: p.update(how="Example-level ε = 0.5 (tampered)"), "privacy.how"),
+        (lambda p: p.update(mechanism="something else"), "privacy.mechanism"),
+        (lambda p: p["simulated"].update(delta=0.5), "privacy.simulated.delta"),
+    ]:
+        tampered = copy.deepcopy(raw)
+        edit(tampered["privacy"])
+        tampered["record_id"] = compute_record_id(tampered)
+        (copy_dir / "record.json").write_text(json.dumps(tampered))
+        with pytest.raises(UserError, match=rf"{field}.* is .*, but pflbench's example-level"):
+            submit(copy_dir, tmp_path / "other", registry, data=data)
 
 
 def forged_run(dp_run, tmp_path: Path, z: float, examples: int, batch: int) -> Path:
@@ -546,10 +559,9 @@ def forged_run(dp_run, tmp_path: Path, z: float, examples: int, batch: int) -> P
     run_dir, config = dp_run
     raw = json.loads((run_dir / "record.json").read_text())
     privacy = config.recipe.privacy
-    clipping = f"per layer, C_h by {privacy.perlayer_mode}"
     steps = raw["privacy"]["simulated"]["steps"]
     forged = example_statement(
-        z, privacy.clip_bound, clipping, examples, batch, steps, config.budget
+        z, privacy.clip_bound, clipping_words(privacy), examples, batch, steps, config.budget
     )
     tampered = {**copy.deepcopy(raw), "privacy": forged}
     tampered["record_id"] = compute_record_id(tampered)

@@ -458,6 +458,7 @@ def train_example_dpsgd(p: Prepared) -> Outcome | None:
     from pflbench.privacy.example import (
         NO_BUDGET_ACCOUNTANT,
         check_delta_below_one_over_n,
+        clipping_words,
         example_epsilon,
         example_noise_multiplier,
         example_statement,
@@ -528,12 +529,10 @@ def train_example_dpsgd(p: Prepared) -> Outcome | None:
         log.append([{"step": trainer.step, "eval": wer_cer(final)}])
     finally:
         log.close()
-    clipping = recipe.privacy.clipping
-    if clipping == "perlayer":
-        clipping = f"per layer, C_h by {recipe.privacy.perlayer_mode}"
     privacy = example_statement(
-        noise_multiplier, recipe.privacy.clip_bound, clipping, examples, batch, steps, budget
-    )
+        noise_multiplier, recipe.privacy.clip_bound, clipping_words(recipe.privacy), examples,
+        batch, steps, budget,
+    )  # fmt: skip
     return Outcome(
         model=model,
         final=final,

@@ -26,7 +26,7 @@ from pflbench.privacy import accountants
 from pflbench.privacy.accounting import EpsilonResult, SampledGaussian
 from pflbench.privacy.rdp import one_step_rdp
 from pflbench.privacy.sampling import sampling_rate
-from pflbench.spec.models import Budget, ExampleDPRecipe, Recipe
+from pflbench.spec.models import Budget, ExampleDPRecipe, PrivacyRecipe, Recipe
 
 LIBRARY = "opacus"
 # The accountants an example-level budget may name -> opacus' name of its accounting mechanism.
@@ -197,6 +197,13 @@ def check_delta_below_one_over_n(delta: float, examples: int, budget: str) -> No
             f"budget {budget!r}: δ = {delta:g} is not below 1/N = {1 / examples:.3g} for the"
             f" run's N = {examples} training examples; use a budget with a smaller δ"
         )
+
+
+def clipping_words(privacy: PrivacyRecipe) -> str:
+    """How an example-level statement names the run's clipping."""
+    if privacy.clipping == "perlayer":
+        return f"per layer, C_h by {privacy.perlayer_mode}"
+    return privacy.clipping
 
 
 def example_statement(

@@ -380,8 +380,13 @@ def check_example_privacy(privacy: dict, config: RunConfig, budget: Budget, wher
     and steps, opacus' accountant of the budget recomputing the claimed ε for the claim's own
     (z, q = B/N, T, δ), that ε within the budget, and z the one the budget prescribes at that
     (q, T), as the runner calibrates it."""
-    from pflbench.privacy.example import example_noise_multiplier
+    from pflbench.privacy.example import (
+        clipping_words,
+        example_noise_multiplier,
+        example_statement,
+    )
     from pflbench.privacy.sampling import sampling_rate
+    from pflbench.results.rescore import differences
 
     expected = {
         "unit": "example",
@@ -419,6 +424,18 @@ def check_example_privacy(privacy: dict, config: RunConfig, budget: Budget, wher
             f"but budget {budget.name!r} prescribes z = {prescribed!r} for B = {batch}, "
             f"N = {examples}, T = {steps} (what every run of it adds)"
         )
+    # The rest of the statement, field for field, as the runner writes it (its words too).
+    fresh = example_statement(
+        float(sigma_dp) * batch, config.recipe.privacy.clip_bound,
+        clipping_words(config.recipe.privacy), examples, batch, steps, budget,
+    )  # fmt: skip
+    claimed = {key: privacy.get(key) for key in fresh}
+    for field, stated, value in differences(claimed, fresh, "privacy"):
+        if not within_statement_slack(field, stated, value):
+            raise UserError(
+                f"{where}: {field} is {stated!r}, but pflbench's example-level statement for this"
+                f" config and σ_DP says {value!r}"
+            )
 
 
 def _check_within_budget(
