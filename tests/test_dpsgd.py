@@ -9,6 +9,7 @@ import copy
 import json
 import math
 import shutil
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
@@ -250,11 +251,28 @@ def adversarial_batches(draw):
     return clipping, bound, shapes, samples
 
 
-def clipping_optimizer(params, clipping: str, bound: float):
-    """The optimizer DP-SGD clips with (no noise, the sum left in summed_grad)."""
+def clipping_optimizer(params, clipping: str, bound: float, examples: int = 64):
+    """The optimizer DP-SGD clips with (no noise, the exact sum left in summed_grad, on its
+    grid)."""
     inner = torch.optim.SGD(params, lr=0.1)
     return ExactClipDPOptimizer(inner, clipping=clipping, clip_bound=bound, perlayer_mode="dim",
-                                noise_multiplier=0.0, expected_batch_size=1)  # fmt: skip
+                                noise_multiplier=0.0, expected_batch_size=1,
+                                max_examples=examples)  # fmt: skip
+
+
+def within_on_grid(integers, grid: float, bound: float) -> bool:
+    """Whether tensors of integers on a grid (value = integer / grid) have L2 norm <= bound, in
+    exact arithmetic."""
+    squares = sum(int(k) ** 2 for t in integers for k in t.flatten().tolist())
+    return Fraction(squares) <= (Fraction(bound) * Fraction(grid)) ** 2
+
+
+def assert_on_grid_within_bounds(integers, grid, clipping, bound, layer_bounds_):
+    """What the sum adds of an example, exactly: ‖c_i‖ ≤ C, and per layer each ‖c_i,h‖ ≤ C_h."""
+    assert within_on_grid(integers, grid, bound)
+    if clipping == "perlayer":
+        for tensor, layer_bound in zip(integers, layer_bounds_, strict=True):
+            assert within_on_grid([tensor], grid, layer_bound), layer_bound
 
 
 def assert_within_bounds(tensors, clipping, bound, layer_bounds_):
@@ -273,7 +291,8 @@ def assert_within_bounds(tensors, clipping, bound, layer_bounds_):
 @settings(max_examples=200, deadline=None)
 @given(batch=adversarial_batches())
 def test_every_examples_clipped_gradient_is_within_its_bound_exactly(batch):
-    """Each example's contribution to the noised sum, as the optimizer computes it in fp32, has
+    """Each example's contribution to the noised sum, as the optimizer computes it (clipped in
+    fp32, then on the exact sum's grid), has
     ‖c_i‖ ≤ C (global) or ‖c_i,h‖ ≤ C_h for every tensor (per layer) in exact arithmetic, for
     gradients built at, 1 ulp over, far over and under the bound, near fp32's largest values and
     subnormal; and one over the bound lands on it, not far inside (a bound that zeroed every
@@ -289,8 +308,10 @@ def test_every_examples_clipped_gradient_is_within_its_bound_exactly(batch):
         for param, sample in zip(params, samples, strict=True):
             param.grad_sample = sample[i : i + 1].clone()
         optimizer.clip_and_accumulate()
-        contribution = [param.summed_grad for param in params]
-        assert_within_bounds(contribution, clipping, bound, layer_bounds_)
+        on_grid = [param.summed_grad for param in params]
+        assert all(t.dtype == torch.int64 for t in on_grid)
+        assert_on_grid_within_bounds(on_grid, optimizer.grid, clipping, bound, layer_bounds_)
+        contribution = [t.double() / optimizer.grid for t in on_grid]
         raw = [sample[i] for sample in samples]
         if clipping == "global" and not within(raw, bound * (1 + 1e-5)):
             assert norm64(torch.cat([c.flatten() for c in contribution])) >= bound * (1 - 1e-6)
@@ -305,7 +326,7 @@ def test_every_examples_clipped_gradient_is_within_its_bound_exactly(batch):
     for i in range(examples):
         assert_within_bounds([p.grad_sample[i] for p in params], clipping, bound, layer_bounds_)
     for param in params:
-        assert torch.equal(param.summed_grad, param.grad_sample.sum(dim=0))
+        assert torch.equal(param.summed_grad, optimizer._on_grid(param.grad_sample).sum(dim=0))
     assert not bool(optimizer.last_clip.nonfinite.any())
 
 
@@ -322,10 +343,9 @@ def test_an_example_with_a_nan_or_inf_gradient_contributes_zeros_and_is_counted(
     assert optimizer.last_clip.clipped == 1  # example 0 (norm 3); the zeroed ones not counted
     assert torch.equal(params[0].grad_sample[1:2], torch.zeros(1, 3))
     assert torch.equal(params[1].grad_sample[1:], torch.zeros(2, 2, 2))
-    assert all(bool(torch.isfinite(p.summed_grad).all()) for p in params)
-    assert torch.equal(params[1].summed_grad, torch.zeros(2, 2))
+    assert torch.equal(params[1].summed_grad, torch.zeros(2, 2, dtype=torch.int64))
     expected = torch.tensor([1.0, 2.0, 2.0]) * optimizer.last_clip.factors[0, 0].float()
-    assert torch.equal(params[0].summed_grad, expected)
+    assert torch.equal(params[0].summed_grad, optimizer._on_grid(expected))
 
 
 def test_the_expected_batch_holds_batch_seconds_of_audio_on_average():
@@ -616,3 +636,26 @@ def test_the_leaderboard_labels_the_epsilon_per_example(dp_run, specs_dir):  # n
         f"{simulated.cohort:g}",
         str(config.recipe.fine_tune.steps),
     ]
+
+
+def test_the_noise_joins_the_exact_sum_of_the_examples_before_anything_is_rounded():
+    """Two batches whose clipped gradients add up to the same value (exactly), with the same
+    noise draws, release the same gradient bit for bit: the release depends on the examples
+    only through their exact sum. Summed in fp32 first, 1 + 2^-24 + 2^-24 rounds to 1 (ties to
+    even), not to 1 + 2^-23, so the two would differ by an ulp the other examples decide."""
+
+    def release(values: list[float]) -> torch.Tensor:
+        param = torch.nn.Parameter(torch.zeros(1))
+        optimizer = ExactClipDPOptimizer(
+            torch.optim.SGD([param], lr=0.1), clipping="global", clip_bound=10.0,
+            perlayer_mode="dim", noise_multiplier=1e-6, expected_batch_size=3, max_examples=3,
+        )  # fmt: skip
+        optimizer.generator = torch.Generator().manual_seed(0)
+        param.grad_sample = torch.tensor([[v] for v in values])
+        optimizer.clip_and_accumulate()
+        optimizer.add_noise()
+        return param.grad.clone()
+
+    tiny = 2.0**-24
+    assert float(torch.tensor([1.0, tiny, tiny]).sum()) == 1.0  # fp32 would lose them
+    assert torch.equal(release([1.0, tiny, tiny]), release([1.0 + 2 * tiny, 0.0, 0.0]))

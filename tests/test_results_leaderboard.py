@@ -592,23 +592,23 @@ def test_two_spellings_of_one_set_value_are_one_row_named_one_way():
 
 
 def test_a_numerics_change_of_some_runs_leaves_the_others_current():
-    """v4 changed the numbers of runs with user-level DP noise only: a v3 run without it has
-    today's numbers (current: its row stands with today's runs), one with it is stale; a run
-    older than the last change to every run is stale either way."""
+    """v4 changed the numbers of runs with DP noise only: a v3 run without it has today's
+    numbers (current: its row stands with today's runs), one with it is stale; a run older than
+    the last change to every run is stale either way."""
     from pflbench.numerics import current_numerics
     from pflbench.results.schema import record_numerics_version
 
     records = load_results(REPO / "results")
     record = next(r for r in records if r.kind == "run" and r.privacy and not r.privacy.dp)
-    assert NUMERICS_SCOPES[4] == "user-dp" and NUMERICS_VERSION >= 4
-    assert current_numerics(3, user_dp=False) == NUMERICS_VERSION
-    assert current_numerics(3, user_dp=True) == 3
-    assert current_numerics(STALE_NUMERICS, user_dp=False) == STALE_NUMERICS
+    assert NUMERICS_SCOPES[4] == "dp" and NUMERICS_VERSION >= 4
+    assert current_numerics(3, dp=False) == NUMERICS_VERSION
+    assert current_numerics(3, dp=True) == 3
+    assert current_numerics(STALE_NUMERICS, dp=False) == STALE_NUMERICS
     for version, dp, unit, expected in [
         (3, False, "user", NUMERICS_VERSION),
         (3, True, "user", 3),
         (3, True, "pseudo-user", 3),
-        (3, True, "example", NUMERICS_VERSION),  # example-level DP-SGD: not the aggregator's
+        (3, True, "example", 3),  # example-level DP-SGD: its sum is exact now too
         (STALE_NUMERICS, False, "user", STALE_NUMERICS),
     ]:
         edited = record.model_copy(deep=True)

@@ -86,6 +86,7 @@ class ExampleDPSGD:
             perlayer_mode=privacy.perlayer_mode,
             noise_multiplier=noise_multiplier,
             expected_batch_size=batch,
+            max_examples=len(utterances),
             loss_reduction="mean",  # the noised sum divided by B
         )
 

@@ -26,23 +26,23 @@ NUMERICS_CHANGES = {
     " from fp64 norms, LARS's ξ = 1e-6, and one keyed-seed function for every random stream",
     3: "transcripts with whitespace normalized as references are (CER counted a space the best"
     " path emitted at either end or twice in a row)",
-    4: "user-level DP noise added to the exact sum before anything is rounded (it went onto the"
-    " average once rounded to fp32, so one user could move the release by more than C/S), and"
-    " Poisson inclusion at most q (draws compared with q rounded down onto their 2^-24 grid; a"
-    " run without user-level DP changes only where a draw fell on that point, none of the filed"
-    " ones)",
+    4: "DP noise added to the exact sum before anything is rounded (user-level: it went onto the"
+    " average once rounded to fp32; example-level: onto the fp32 sum of the clipped examples; so"
+    " one user or example could move the release by more than its bound), and Poisson inclusion"
+    " at most q (draws compared with q rounded down onto their 2^-24 grid; a run without DP"
+    " changes only where a draw fell on that point, none of the filed ones)",
 }
-# The runs a change's numbers differ in, where not every run: "user-dp", runs with user-level DP
-# noise. A run of an older version that no later change touches has today's numbers.
-NUMERICS_SCOPES = {4: "user-dp"}
+# The runs a change's numbers differ in, where not every run: "dp", runs with DP noise (user- or
+# example-level). A run of an older version that no later change touches has today's numbers.
+NUMERICS_SCOPES = {4: "dp"}
 
 
-def current_numerics(version: int, user_dp: bool) -> int:
+def current_numerics(version: int, dp: bool) -> int:
     """The numerics version whose numbers a run of `version` has: the latest one reached
     without a change since that touches runs like it (NUMERICS_SCOPES)."""
     while version < NUMERICS_VERSION:
         scope = NUMERICS_SCOPES.get(version + 1)
-        if scope is None or (scope == "user-dp" and user_dp):
+        if scope is None or (scope == "dp" and dp):
             break
         version += 1
     return version

@@ -519,9 +519,8 @@ def schema_json() -> str:
 def record_numerics_version(record: ResultRecord) -> int:
     """The numerics version whose numbers a run's are: its code's (records from before it was
     stated: 1), or a later one no change since touches runs like it (numerics.current_numerics)."""
-    privacy = record.privacy
-    user_dp = privacy is not None and privacy.dp and privacy.unit != "example"
-    return current_numerics(record.software.numerics_version or 1, user_dp)
+    dp = record.privacy is not None and record.privacy.dp
+    return current_numerics(record.software.numerics_version or 1, dp)
 
 
 # Recipe keys that configs once carried and that no longer exist (nothing ever read either):
