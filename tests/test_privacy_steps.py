@@ -156,19 +156,19 @@ def test_client_noise_has_std_c_sigma_sqrt_denominator_from_the_user_s_stream():
     mechanism = steps_for(clipping="global", noise_placement="client")
     noise = mechanism.per_user[-1]
     assert isinstance(noise, AddClientNoise)
-    update = {"w": torch.zeros(400_000)}
-    assert noise.apply(update, "alice", STEP, {}) == {
-        "largest": None
-    }  # the sum checks every element
+    update = {"w": torch.ones(400_000)}
+    facts = noise.apply(update, "alice", STEP, {})
+    # A term of its own, beside the update (which it leaves as it is): the exact sum adds both.
+    assert list(facts) == ["client_noise"] and torch.equal(update["w"], torch.ones(400_000))
+    drawn = facts["client_noise"]["w"]
     # The std estimate's relative standard error is 1/sqrt(2n) ~ 0.1%.
-    assert float(update["w"].double().std()) == pytest.approx(C * SIGMA * math.sqrt(S), rel=0.01)
+    assert float(drawn.double().std()) == pytest.approx(C * SIGMA * math.sqrt(S), rel=0.01)
     generator = noise_generator(SEED, STEP, user="alice")
     expected = torch.randn(400_000, generator=generator) * (C * SIGMA * math.sqrt(S))
-    torch.testing.assert_close(update["w"], expected, rtol=1e-6, atol=0)
-    again, other = {"w": torch.zeros(400_000)}, {"w": torch.zeros(400_000)}
-    noise.apply(again, "alice", STEP, {})
-    noise.apply(other, "bob", STEP, {})
-    assert torch.equal(again["w"], update["w"]) and not torch.allclose(other["w"], update["w"])
+    torch.testing.assert_close(drawn, expected, rtol=1e-6, atol=0)
+    again = noise.apply(update, "alice", STEP, {})["client_noise"]["w"]
+    other = noise.apply(update, "bob", STEP, {})["client_noise"]["w"]
+    assert torch.equal(again, drawn) and not torch.allclose(other, drawn)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -310,8 +310,11 @@ def test_the_factory_builds_every_mechanism_the_recipe_allows_and_refuses_nothin
         for step in mechanism.per_user:
             facts |= step.apply(update, "u", STEP, facts)
         fp32_norms = {"norm_error"} if clipping == "none" else set()
-        assert set(facts) == {"nonfinite", "norms", "clipped", "largest"} | fp32_norms
-        assert (facts["largest"] is None) == (noisy and placement == "client")
+        client_noise = {"client_noise"} if noisy and placement == "client" else set()
+        assert (
+            set(facts) == {"nonfinite", "norms", "clipped", "largest"} | fp32_norms | client_noise
+        )
+        assert facts["largest"] is not None  # the update's own bound: its noise is apart
         built += 1
     # Per σ: 3 clippings × 2 modes × 2 rules × 2 placements, and with adaptive clipping
     # 2 clippings × 2 modes × 2 rules on the server.

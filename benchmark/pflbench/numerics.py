@@ -27,8 +27,9 @@ NUMERICS_CHANGES = {
     3: "transcripts with whitespace normalized as references are (CER counted a space the best"
     " path emitted at either end or twice in a row)",
     4: "DP noise added to the exact sum before anything is rounded (user-level: it went onto the"
-    " average once rounded to fp32; example-level: onto the fp32 sum of the clipped examples; so"
-    " one user or example could move the release by more than its bound), and Poisson inclusion"
+    " average once rounded to fp32, or, placed at the clients, onto each update in fp32;"
+    " example-level: onto the fp32 sum of the clipped examples; so one user or example could"
+    " move the release by more than its bound), and Poisson inclusion"
     " at most q (draws compared with q rounded down onto their 2^-24 grid; a run without DP"
     " changes only where a draw fell on that point, none of the filed ones)",
 }

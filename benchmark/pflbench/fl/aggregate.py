@@ -111,6 +111,8 @@ class StepAggregator:
         if self.check_bound:  # measured by pflbench, not as the plug-in reports it
             facts["largest"] = check_within_clip_bound(self.mechanism, update, user, self.step)
         self.sum.add(update, facts.get("largest"), facts.get("pending"), held)
+        if "client_noise" in facts:  # a term of its own (privacy.steps.AddClientNoise)
+            self.sum.add(facts["client_noise"])
         self.seconds += time.perf_counter() - started
         return facts
 

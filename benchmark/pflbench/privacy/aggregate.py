@@ -331,7 +331,7 @@ class ExactSum:
         if noise is None:
             raise ValueError("add_noise adds what noise_buffers hold: call it first")
         noise.mul_(multiplier * self.scale).round_()  # the noise's own rounding: no user's data
-        largest = float(noise.abs().max()) if noise.numel() else 0.0
+        largest = float(torch.linalg.vector_norm(noise, float("inf"))) if noise.numel() else 0.0
         if not largest < 2.0**INT_BUDGET_BITS:  # (NaN too) the sum's int64 range
             raise ValueError(
                 f"noise of magnitude {largest / self.scale:.6g} on the sum, beyond its range"

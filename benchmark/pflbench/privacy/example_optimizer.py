@@ -116,7 +116,7 @@ class ExactClipDPOptimizer(DPOptimizer):
             _check_processed_flag(p.summed_grad)
             like = torch.empty(p.summed_grad.shape, dtype=p.dtype, device=p.device)
             noise = _generate_noise(std, like, self.generator, self.secure_mode)
-            largest = float(noise.abs().max()) if noise.numel() else 0.0
+            largest = float(torch.linalg.vector_norm(noise, float("inf"))) if noise.numel() else 0.0
             if not largest <= NOISE_SIGMAS * std:  # (NaN too)
                 raise ValueError(f"a noise draw beyond {NOISE_SIGMAS:g} standard deviations")
             total = p.summed_grad + self._on_grid(noise)

@@ -149,8 +149,11 @@ class MeasureNorms:
 
 @dataclass(frozen=True)
 class AddClientNoise:
-    """Add N(0, std²) to a user's update from that user's stream at this step (so the noise does
-    not depend on which process trains the user, or when)."""
+    """Draw N(0, std²) for a user's update from that user's stream at this step (so the noise
+    does not depend on which process trains the user, or when), as a term of its own
+    (facts["client_noise"]): the exact sum adds the update and its noise each onto its grid, so
+    the released sum is the exact sum of the updates plus noise no user's data moves. Added to
+    the update in fp32 first, how the two round together would depend on the update."""
 
     std: float
     seed: int
@@ -158,8 +161,9 @@ class AddClientNoise:
 
     def apply(self, update: dict[str, Tensor], user: str, step: int, seen: dict) -> dict:
         generator = noise_generator(self.seed, step, user=user, device=self.device)
-        add_gaussian_noise(update, self.std, generator)
-        return {"largest": None}  # the noise's elements are not bounded by a norm taken before
+        noise = {name: torch.zeros_like(t) for name, t in update.items()}
+        add_gaussian_noise(noise, self.std, generator)
+        return {"client_noise": noise}
 
 
 def _clipped_facts(clipped: ClipResult) -> dict:
