@@ -358,3 +358,29 @@ def test_the_seed_model_does_not_depend_on_the_callers_thread_count(tmp_path):
     one, two = _seed_weights(tmp_path / "a", 1), _seed_weights(tmp_path / "b", 2)
     for name, a in one.items():
         assert torch.equal(a, two[name]), name
+
+
+def test_a_task_of_another_name_with_the_same_seed_spec_starts_from_the_shipped_model():
+    """A copy of the embedded task in an outside folder, renamed (and its federated phase cut),
+    has the shipped task's seed spec: it finds the model shipped for that spec, named for the
+    task that shipped it, instead of training one; a changed seed recipe does not."""
+    from pflbench.central import START_MODEL_SEED, shipped_seed_dir
+    from pflbench.spec.registry import load_registry
+    from pflbench.spec.resolve import resolve
+
+    config = resolve(load_registry(), "synth-cv-en-ls-seed", "perlayer-dim", "none", 0)
+    vocab = tokenizer_for(config.task.language).vocab
+    shipped = shipped_seed_path(
+        config.task, config.recipe, START_MODEL_SEED, vocab, shipped_seed_dir()
+    )
+    assert shipped.is_file() and shipped.name.startswith("synth-cv-en-ls-seed-v")
+    copy = config.task.model_copy(update={"name": "mysynth-short", "version": 1})
+    assert (
+        shipped_seed_path(copy, config.recipe, START_MODEL_SEED, vocab, shipped_seed_dir())
+        == shipped
+    )
+    longer = config.recipe.model_copy(
+        update={"central": config.recipe.central.model_copy(update={"steps": 7})}
+    )
+    other = shipped_seed_path(copy, longer, START_MODEL_SEED, vocab, shipped_seed_dir())
+    assert other.name.startswith("mysynth-short-v1-") and not other.exists()

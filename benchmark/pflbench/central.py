@@ -382,9 +382,14 @@ def shipped_seed_dir() -> Path:
 def shipped_seed_path(
     task: Task, recipe: Recipe, seed: int, vocab: list[str], shipped_dir: Path
 ) -> Path:
-    """Where the seed model of this spec is (or would be) shipped in `shipped_dir`."""
+    """Where the seed model of this spec is (or would be) shipped in `shipped_dir`: the file
+    named by the spec's hash, whichever task shipped it (a task of another name with the same
+    seed spec, such as a copy in an outside specs folder, starts from the same model), else one
+    named for this task."""
     spec = hashlib.sha256(canonical_json(seed_spec(task, recipe, seed, vocab)).encode())
-    return shipped_dir / f"{task.name}-v{task.version}-{spec.hexdigest()[:16]}.safetensors"
+    key = spec.hexdigest()[:16]
+    shipped = sorted(shipped_dir.glob(f"*-{key}.safetensors"))
+    return shipped[0] if shipped else shipped_dir / f"{task.name}-v{task.version}-{key}.safetensors"
 
 
 def shipped_seed_digest(task: Task, recipe: Recipe) -> str | None:
