@@ -799,3 +799,18 @@ def test_a_client_algorithm_reading_user_state_in_its_server_step_is_refused(
     finally:
         dict.pop(CLIENT_ALGORITHMS, "peeking-here")
         CLIENT_ALGORITHMS.origins.pop("peeking-here")
+
+
+def test_the_run_summary_says_how_many_updates_were_zeroed_for_nan_or_inf(tmp_path):
+    from pflbench.cli.run import run_summary
+
+    root = Path(__file__).resolve().parents[1] / "results" / "synth-cv-en-ls-seed" / "none"
+    filed = json.loads(next(root.glob("*.json")).read_text())
+    for zeroed in (0, 3):
+        filed["diagnostics"]["nonfinite_updates"] = zeroed
+        filed["record_id"] = compute_record_id(filed)
+        (tmp_path / "record.json").write_text(json.dumps(filed))
+        lines = [line for line in run_summary(tmp_path) if line.startswith("non-finite updates")]
+        clients = sum(filed["compute"]["cohort_per_step"])
+        said = f"non-finite updates: 3 of {clients} were zeroed (NaN or Inf; the record's"
+        assert lines == ([f"{said} diagnostics.nonfinite_updates)"] if zeroed else [])

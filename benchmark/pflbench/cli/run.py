@@ -84,6 +84,13 @@ def run_summary(run_dir: Path) -> list[str]:
         summary = skipped_summary(Skips.from_dict(skipped))  # nothing silently dropped
         if summary:
             lines.append(f"data {split}{summary} (all in the record's data.skipped)")
+    nonfinite = record.diagnostics.nonfinite_updates if record.diagnostics else 0
+    if nonfinite:  # zeroed (a NaN/Inf update has no norm): say so, however few
+        updates = sum(record.compute.cohort_per_step or [])
+        lines.append(
+            f"non-finite updates: {nonfinite} of {updates} were zeroed (NaN or Inf; the record's"
+            " diagnostics.nonfinite_updates)"
+        )
     wall = record.compute.wall_seconds
     if wall is not None:
         lines.append(f"wall time: {hms(wall)}" if wall >= 60 else f"wall time: {wall:.1f} s")
