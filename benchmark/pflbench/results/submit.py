@@ -354,7 +354,6 @@ def check_privacy_statement(privacy: dict | None, config: RunConfig, where: str)
     statement's; an example-level claim is check_example_privacy's."""
     from pflbench.privacy.accountants import ACCOUNTANTS
     from pflbench.privacy.run import privacy_claim
-    from pflbench.results.rescore import differences
 
     if config.recipe.training == "dpsgd-example":
         return
@@ -366,12 +365,20 @@ def check_privacy_statement(privacy: dict | None, config: RunConfig, where: str)
     fresh = privacy_claim(
         config, privacy.get("sigma_dp", 0.0), simulated.get("population", 0), accountants
     )
+    _check_statement_fields(privacy, fresh, "privacy statement", where)
+
+
+def _check_statement_fields(privacy: dict, fresh: dict, what: str, where: str) -> None:
+    """The claim's fields are `fresh`'s (pflbench's own statement for the run), numbers within
+    the slack two machines' statements of one run differ by."""
+    from pflbench.results.rescore import differences
+
     claimed = {key: privacy.get(key) for key in fresh}
     for field, stated, value in differences(claimed, fresh, "privacy"):
         if not within_statement_slack(field, stated, value):
             raise UserError(
-                f"{where}: {field} is {stated!r}, but pflbench's privacy statement for this "
-                f"config and σ_DP says {value!r}"
+                f"{where}: {field} is {stated!r}, but pflbench's {what} for this config and σ_DP"
+                f" says {value!r}"
             )
 
 
@@ -386,7 +393,6 @@ def check_example_privacy(privacy: dict, config: RunConfig, budget: Budget, wher
         example_statement,
     )
     from pflbench.privacy.sampling import sampling_rate
-    from pflbench.results.rescore import differences
 
     expected = {
         "unit": "example",
@@ -429,13 +435,7 @@ def check_example_privacy(privacy: dict, config: RunConfig, budget: Budget, wher
         float(sigma_dp) * batch, config.recipe.privacy.clip_bound,
         clipping_words(config.recipe.privacy), examples, batch, steps, budget,
     )  # fmt: skip
-    claimed = {key: privacy.get(key) for key in fresh}
-    for field, stated, value in differences(claimed, fresh, "privacy"):
-        if not within_statement_slack(field, stated, value):
-            raise UserError(
-                f"{where}: {field} is {stated!r}, but pflbench's example-level statement for this"
-                f" config and σ_DP says {value!r}"
-            )
+    _check_statement_fields(privacy, fresh, "example-level statement", where)
 
 
 def _check_within_budget(
