@@ -125,8 +125,9 @@ class ExactClipDPOptimizer(DPOptimizer):
 
     def _on_grid(self, values: torch.Tensor) -> torch.Tensor:
         """values·grid (exact: a power of two) rounded to int64 integers: half to even for
-        fp32/bf16/fp16 values (only those below ~C·2^-18 are off the grid, and rounding grows a
-        norm by far less than clipping's margin), toward zero for fp64 ones (no such slack)."""
+        fp32/bf16/fp16 values (only those under 2^24 grid steps, ~(N + 40z)·C·2^-38, are off the
+        grid, and rounding them grows a norm by far less than clipping's margin, as in ExactSum),
+        toward zero for fp64 ones (no such slack)."""
         scaled = values.to(torch.float64).mul_(self.grid)
         scaled = scaled.trunc_() if values.dtype == torch.float64 else scaled.round_()
         return scaled.to(torch.int64)
