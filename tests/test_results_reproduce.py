@@ -232,3 +232,18 @@ def test_the_run_commands_that_sweeps_and_re_runs_build_parse_as_pflbench_run(tm
     assert (params["task"], params["baseline"], params["seed"]) == ("t", "b", 3)
     assert params["resume" if started else "out"] == run_dir
     assert params["parallel_clients"] == 4 and params["compile_step"] and params["nproc"] == 2
+
+
+def test_a_run_no_numerics_change_since_touches_is_re_run_bit_for_bit(runs):
+    """A v3 run without DP has today's numbers (numerics v4 touches DP runs only): its re-run by
+    today's code is held to the same setup, so compared bit for bit, not within tolerance."""
+    from pflbench.results.reproduce import run_setup
+
+    record, _ = load_record(runs["none"] / "record.json")
+    assert not record.privacy.dp
+    older = record.model_copy(deep=True)
+    older.software.numerics_version = 3
+    assert run_setup(older) == run_setup(record)
+    older_dp = older.model_copy(deep=True)
+    older_dp.privacy.dp = True
+    assert run_setup(older_dp)["numerics_version"] == 3 != run_setup(record)["numerics_version"]

@@ -40,12 +40,13 @@ SETUP_FREE_FIELDS = ("privacy", "data")
 
 
 def run_setup(record: ResultRecord) -> dict[str, Any]:
-    """What a re-run must share with the run to repeat its floats bit for bit."""
+    """What a re-run must share with the run to repeat its floats bit for bit (the numerics
+    version whose numbers the run's are: a run no change since touches has today's)."""
     compute, software = record.compute, record.software
     cpu = compute.cpu.model_dump(exclude={"model"}) if compute.cpu is not None else None
     return {
         "torch_version": software.torch_version if software else None,
-        "numerics_version": software.numerics_version if software else None,
+        "numerics_version": record_numerics_version(record),
         "device": compute.device,
         "device_name": compute.device_name,
         "cpu": cpu if compute.device == "cpu" else None,
